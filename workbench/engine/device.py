@@ -1,0 +1,516 @@
+"""Backend discovery and device facts: which device to run on, how to wait for
+it, how much memory is in use, and what the hardware can do at best.
+
+Ascend NPU (``torch_npu``) is the first-class target, then CUDA, then CPU.
+``torch_npu`` is optional: it is imported lazily, inside a guard, and a broken
+install (missing CANN libraries and the like) counts as "no NPU".
+
+Peak figures (copy bandwidth, matmul throughput) are measured with small
+micro-benchmarks and cached per machine + device in a JSON file, so probes can
+call :func:`peak_figures` on every run without paying for the measurement.
+
+Environment variables:
+
+``PAGEDKV_DEVICE``
+    overrides what ``resolve_device("auto")`` picks (e.g. ``cpu`` to force CPU
+    on a GPU box). An explicit device name is never overridden.
+``PAGEDKV_CACHE_DIR``
+    directory of the peak-figures cache (default
+    ``$XDG_CACHE_HOME/pagedkv-workbench`` or ``~/.cache/pagedkv-workbench``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import os
+import platform
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+__all__ = [
+    "DeviceLike",
+    "npu_available",
+    "available_devices",
+    "resolve_device",
+    "device_name",
+    "synchronize",
+    "Timer",
+    "memory_stats",
+    "host_memory_stats",
+    "measure_bandwidth_gbs",
+    "measure_matmul_gflops",
+    "cache_dir",
+    "peak_figures",
+    "supported_dtypes",
+]
+
+DeviceLike = Union[str, torch.device, None]
+
+DEFAULT_BANDWIDTH_BYTES = 256 * 1024 * 1024
+DEFAULT_MATMUL_N = 1024
+DEFAULT_REPEATS = 5
+_DEVICE_TYPES = ("cpu", "cuda", "npu")
+_CANDIDATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------
+# discovery
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _import_torch_npu():
+    """Return the torch_npu module, or None if it is absent or does not load."""
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:  # ImportError, OSError (no CANN), RuntimeError, ...
+        return None
+    return torch_npu
+
+
+def npu_available() -> bool:
+    """True when torch_npu imports and reports at least one usable NPU."""
+    if _import_torch_npu() is None:
+        return False
+    try:
+        return bool(torch.npu.is_available()) and torch.npu.device_count() > 0  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+def _cuda_available() -> bool:
+    try:
+        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+def _count(device_type: str) -> int:
+    if device_type == "cpu":
+        return 1
+    if device_type == "cuda":
+        return torch.cuda.device_count() if _cuda_available() else 0
+    if device_type == "npu":
+        return torch.npu.device_count() if npu_available() else 0  # type: ignore[attr-defined]
+    return 0
+
+
+def available_devices() -> list[str]:
+    """Every device this process can use, e.g. ``["npu:0", "npu:1", "cpu"]``."""
+    out: list[str] = []
+    for kind in ("npu", "cuda"):
+        out += [f"{kind}:{i}" for i in range(_count(kind))]
+    out.append("cpu")
+    return out
+
+
+def _why_unavailable(kind: str) -> str:
+    if kind == "cuda":
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) is built without CUDA"
+        return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    if kind == "npu":
+        if _import_torch_npu() is None:
+            return "torch_npu is not installed or does not import (pip install 'pagedkv-workbench[npu]', source the CANN set_env.sh)"
+        return "torch_npu imports but sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi info)"
+    return "unknown reason"
+
+
+def resolve_device(name: DeviceLike = "auto") -> torch.device:
+    """Turn a device name into a ``torch.device`` that is usable here.
+
+    ``"auto"`` (or None) picks ``npu:0`` when torch_npu imports and an NPU is
+    available, else ``cuda:0``, else ``cpu``; ``$PAGEDKV_DEVICE`` overrides it.
+    Explicit names: ``cpu``, ``cuda``, ``cuda:N``, ``npu``, ``npu:N``, or a
+    ``torch.device``. An unknown or unavailable device raises ValueError that
+    lists what is available.
+    """
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name is None:
+        name = "auto"
+    if not isinstance(name, str):
+        raise TypeError(f"device must be a str or torch.device, not {type(name).__name__}")
+    spec = name.strip().lower()
+
+    if spec == "auto":
+        override = os.environ.get("PAGEDKV_DEVICE", "").strip()
+        if override and override.lower() != "auto":
+            return resolve_device(override)
+        if npu_available():
+            return torch.device("npu", 0)
+        if _cuda_available():
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
+
+    kind, _, idx_text = spec.partition(":")
+    available = ", ".join(available_devices())
+    if kind not in _DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device {name!r}: expected 'auto', 'cpu', 'cuda[:N]' or 'npu[:N]'; "
+            f"available here: {available}"
+        )
+    index: int | None = None
+    if idx_text:
+        if not idx_text.isdigit():
+            raise ValueError(f"bad device index in {name!r}; available here: {available}")
+        index = int(idx_text)
+    if kind == "cpu":
+        return torch.device("cpu")
+
+    count = _count(kind)
+    if count == 0:
+        raise ValueError(
+            f"device {name!r} is not available: {_why_unavailable(kind)}; available here: {available}"
+        )
+    if index is None:
+        index = 0
+    if index >= count:
+        raise ValueError(
+            f"device {name!r} is out of range: {count} {kind} device(s) visible; available here: {available}"
+        )
+    return torch.device(kind, index)
+
+
+def device_name(device: DeviceLike = "auto") -> str:
+    """A human name for the hardware: GPU/NPU model or the CPU model string."""
+    dev = resolve_device(device)
+    try:
+        if dev.type == "cuda":
+            return torch.cuda.get_device_name(dev)
+        if dev.type == "npu":
+            return str(torch.npu.get_device_name(dev.index or 0))  # type: ignore[attr-defined]
+    except Exception:
+        return dev.type
+    return _cpu_model()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# --------------------------------------------------------------------------
+# sync and timing
+# --------------------------------------------------------------------------
+
+
+def synchronize(device: DeviceLike = "auto") -> None:
+    """Wait until all queued work on ``device`` has finished (no-op on CPU)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "npu":
+        torch.npu.synchronize(dev)  # type: ignore[attr-defined]
+
+
+class Timer:
+    """Wall-clock timer that synchronizes the device at both ends.
+
+    >>> with Timer("cpu") as t:
+    ...     pass
+    >>> t.seconds >= 0
+    True
+    """
+
+    def __init__(self, device: DeviceLike = "auto") -> None:
+        self.device = resolve_device(device)
+        self.start_ns = 0
+        self.elapsed_ns = 0
+
+    def __enter__(self) -> "Timer":
+        synchronize(self.device)
+        self.start_ns = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        self.elapsed_ns = time.perf_counter_ns() - self.start_ns
+
+    @property
+    def seconds(self) -> float:
+        return self.elapsed_ns / 1e9
+
+
+# --------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------
+
+_STATUS_FIELDS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "VmSwap": "swap_bytes"}
+
+
+def host_memory_stats() -> dict[str, int]:
+    """This process's resident memory: RSS, anonymous RSS and swap, in bytes.
+
+    Read from ``/proc/self/status`` (Linux); elsewhere falls back to psutil's
+    RSS with the other two reported as 0.
+    """
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in _STATUS_FIELDS:
+                    parts = rest.split()
+                    value = int(parts[0])
+                    unit = parts[1].lower() if len(parts) > 1 else "b"
+                    out[_STATUS_FIELDS[key]] = value * 1024 if unit == "kb" else value
+    except (OSError, ValueError, IndexError):
+        out = {}
+    if "rss_bytes" not in out:
+        try:
+            import psutil
+
+            out["rss_bytes"] = int(psutil.Process().memory_info().rss)
+        except Exception:
+            out["rss_bytes"] = 0
+    out.setdefault("rss_anon_bytes", 0)
+    out.setdefault("swap_bytes", 0)
+    return out
+
+
+def memory_stats(device: DeviceLike = "auto") -> dict[str, Any]:
+    """Memory in use, in bytes.
+
+    Always: ``device`` and the host process figures ``rss_bytes``,
+    ``rss_anon_bytes``, ``swap_bytes`` (on CPU these are the whole story).
+    On cuda / npu also: ``allocated_bytes``, ``reserved_bytes``,
+    ``max_allocated_bytes`` (caching allocator) and, where the backend tells,
+    ``free_bytes`` / ``total_bytes`` of the card.
+    """
+    dev = resolve_device(device)
+    stats: dict[str, Any] = {"device": str(dev)}
+    stats.update(host_memory_stats())
+    if dev.type in ("cuda", "npu"):
+        mod = torch.cuda if dev.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+        stats["allocated_bytes"] = int(mod.memory_allocated(dev))
+        stats["reserved_bytes"] = int(mod.memory_reserved(dev))
+        stats["max_allocated_bytes"] = int(mod.max_memory_allocated(dev))
+        try:
+            free, total = mod.mem_get_info(dev)
+            stats["free_bytes"], stats["total_bytes"] = int(free), int(total)
+        except Exception:
+            pass
+    return stats
+
+
+# --------------------------------------------------------------------------
+# micro-benchmarks
+# --------------------------------------------------------------------------
+
+
+def _as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    name = aliases.get(str(dtype).lower(), str(dtype).lower()).removeprefix("torch.")
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def _best_seconds(fn, device: torch.device, repeats: int, min_time_s: float = 0.1, max_iters: int = 10_000) -> float:
+    """Best time of one ``fn()`` call after a warm-up.
+
+    Runs at least ``repeats`` times and, for small work, keeps going until
+    ``min_time_s`` has passed: on a shared, busy machine one preemption of an
+    OpenMP thread would otherwise spoil every sample of a sub-millisecond call.
+    """
+    fn()  # warm-up: first touch of pages, kernel selection, caches
+    synchronize(device)
+    best = float("inf")
+    start = time.perf_counter()
+    i = 0
+    while i < max(1, repeats) or (time.perf_counter() - start < min_time_s and i < max_iters):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        i += 1
+    return max(best, 1e-9)
+
+
+def measure_bandwidth_gbs(
+    device: DeviceLike = "auto",
+    nbytes: int = DEFAULT_BANDWIDTH_BYTES,
+    repeats: int = DEFAULT_REPEATS,
+) -> float:
+    """Copy bandwidth in GB/s (1e9 bytes/s), counting read + write bytes.
+
+    Copies an ``nbytes`` buffer into another on ``device``; best of
+    ``repeats`` after one warm-up. This is the roof for memory-bound work
+    (decode attention over KV pages).
+    """
+    dev = resolve_device(device)
+    numel = max(1, int(nbytes) // 4)
+    src = torch.ones(numel, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    try:
+        seconds = _best_seconds(lambda: dst.copy_(src), dev, repeats)
+    finally:
+        del src, dst
+    return 2.0 * numel * 4 / seconds / 1e9
+
+
+def measure_matmul_gflops(
+    device: DeviceLike = "auto",
+    n: int = DEFAULT_MATMUL_N,
+    dtype: Union[str, torch.dtype] = torch.float32,
+    repeats: int = DEFAULT_REPEATS,
+) -> float:
+    """Square ``n x n`` matmul throughput in GFLOP/s (2 n^3 flops), best of ``repeats``."""
+    dev = resolve_device(device)
+    dt = _as_dtype(dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    out = torch.empty(n, n, device=dev, dtype=dt)
+    seconds = _best_seconds(lambda: torch.matmul(a, b, out=out), dev, repeats)
+    return 2.0 * n**3 / seconds / 1e9
+
+
+# --------------------------------------------------------------------------
+# cached peak figures
+# --------------------------------------------------------------------------
+
+_CACHE_LOCK = threading.Lock()
+_CACHE_FILE = "peaks.json"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PAGEDKV_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedkv-workbench"
+
+
+def _cache_key(dev: torch.device) -> tuple[str, dict[str, Any]]:
+    parts = {
+        "hostname": socket.gethostname(),
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    key = "|".join(
+        [parts["hostname"], f"{parts['device']} {parts['device_name']}", f"torch {parts['torch']}", f"threads {parts['threads']}"]
+    )
+    return key, parts
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".peaks-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def peak_figures(
+    device: DeviceLike = "auto",
+    *,
+    refresh: bool = False,
+    nbytes: int = DEFAULT_BANDWIDTH_BYTES,
+    n: int = DEFAULT_MATMUL_N,
+    repeats: int = DEFAULT_REPEATS,
+) -> dict[str, Any]:
+    """Measured copy bandwidth and fp32 matmul throughput of ``device``, cached.
+
+    The cache (``cache_dir()/peaks.json``) is keyed by hostname, device and
+    its name, torch version and thread count; an entry measured with other
+    sizes, or ``refresh=True``, is measured again. Returns a dict with
+    ``bandwidth_gbs``, ``matmul_gflops``, the key fields, ``measured_at``,
+    ``source`` (``"cache"`` or ``"measured"``) and ``cache_file``.
+    """
+    dev = resolve_device(device)
+    key, parts = _cache_key(dev)
+    path = cache_dir() / _CACHE_FILE
+    sizes = {"bandwidth_nbytes": int(nbytes), "matmul_n": int(n), "matmul_dtype": "float32"}
+    with _CACHE_LOCK:
+        data = _read_cache(path)
+        entry = data.get(key)
+        if (
+            not refresh
+            and isinstance(entry, dict)
+            and all(entry.get(k) == v for k, v in sizes.items())
+            and isinstance(entry.get("bandwidth_gbs"), (int, float))
+            and isinstance(entry.get("matmul_gflops"), (int, float))
+        ):
+            return {**entry, "key": key, "source": "cache", "cache_file": str(path)}
+
+        entry = {
+            **parts,
+            **sizes,
+            "repeats": int(repeats),
+            "bandwidth_gbs": measure_bandwidth_gbs(dev, nbytes=nbytes, repeats=repeats),
+            "matmul_gflops": measure_matmul_gflops(dev, n=n, dtype=torch.float32, repeats=repeats),
+            "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        result = {**entry, "key": key, "source": "measured", "cache_file": str(path)}
+        data = _read_cache(path)  # re-read: another process may have written meanwhile
+        data[key] = entry
+        try:
+            _write_cache(path, data)
+        except OSError as exc:  # read-only home etc.: still return the figures
+            result["cache_error"] = str(exc)
+        return result
+
+
+# --------------------------------------------------------------------------
+# dtypes
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_dtypes(device_str: str) -> tuple[str, ...]:
+    dev = torch.device(device_str)
+    ok = []
+    for name in _CANDIDATE_DTYPES:
+        dt = getattr(torch, name)
+        try:
+            a = torch.ones(16, 16, device=dev, dtype=dt)
+            c = a @ a
+            synchronize(dev)
+            if bool(torch.isfinite(c.float()).all()) and float(c[0, 0]) == 16.0:
+                ok.append(name)
+        except Exception:
+            continue
+    return tuple(ok)
+
+
+def supported_dtypes(device: DeviceLike = "auto") -> list[str]:
+    """Which of float32 / bfloat16 / float16 actually run a matmul on ``device``."""
+    return list(_supported_dtypes(str(resolve_device(device))))

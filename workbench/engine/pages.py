@@ -1,0 +1,179 @@
+"""PagePool: the physical KV pages, their refcounts, generations and prefix hashes.
+
+Modelled on vLLM v1's block_pool: free pages sit in one doubly linked queue in LRU
+order (head = evicted next), so a freed page that still carries a prefix hash stays
+reusable until it reaches the head and is handed out again. Removal from the middle
+(a prefix hit on a cached-free page) is O(1) through the prev/next arrays.
+
+Every hand-out bumps the page's generation: a sequence that remembers the
+generation it was given can tell that its page was reused under it
+(the free_while_shared failure).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+NIL = -1
+
+
+class NoFreePages(RuntimeError):
+    pass
+
+
+def hash_page(parent_hash: int | None, tokens: tuple) -> int:
+    """Chained page hash: equal hashes mean equal tokens *and* equal history.
+
+    Python's hash of a tuple of ints is deterministic across processes (no salt),
+    which keeps replays reproducible. Collisions are caught by comparing tokens.
+    """
+    return hash((parent_hash, tokens))
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        n = num_pages
+        self.ref = [0] * n
+        self.generation = [0] * n
+        self.page_hash: list[int | None] = [None] * n
+        self.page_tokens: list[tuple | None] = [None] * n
+        self.cached: dict[int, int] = {}          # prefix hash -> page id
+        # Free queue as index-linked list: O(1) pop at head, push at tail, unlink anywhere.
+        self._prev = list(range(-1, n - 1))
+        self._next = list(range(1, n + 1))
+        self._next[n - 1] = NIL
+        self._head, self._tail = 0, n - 1
+        self._is_free = [True] * n
+        self.num_free = n
+        self.num_cached_free = 0                   # free pages that still carry a hash
+        self.num_evictions = 0
+        self.observer = None                       # engine hook: called as observer(kind, pages)
+
+    # ---- free queue -------------------------------------------------------
+    def _unlink(self, p: int) -> None:
+        prv, nxt = self._prev[p], self._next[p]
+        if prv == NIL:
+            self._head = nxt
+        else:
+            self._next[prv] = nxt
+        if nxt == NIL:
+            self._tail = prv
+        else:
+            self._prev[nxt] = prv
+        self._prev[p] = self._next[p] = NIL
+        self._is_free[p] = False
+        self.num_free -= 1
+        if self.page_hash[p] is not None:
+            self.num_cached_free -= 1
+
+    def _push_tail(self, p: int) -> None:
+        self._prev[p], self._next[p] = self._tail, NIL
+        if self._tail == NIL:
+            self._head = p
+        else:
+            self._next[self._tail] = p
+        self._tail = p
+        self._is_free[p] = True
+        self.num_free += 1
+        if self.page_hash[p] is not None:
+            self.num_cached_free += 1
+
+    def free_order(self) -> list[int]:
+        """Free pages from next-to-evict to most recently freed (for views and tests)."""
+        out, p = [], self._head
+        while p != NIL:
+            out.append(p)
+            p = self._next[p]
+        return out
+
+    def is_free(self, p: int) -> bool:
+        return self._is_free[p]
+
+    # ---- allocation -------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Hand out n pages from the LRU head; a cached page handed out loses its hash."""
+        if n > self.num_free:
+            raise NoFreePages(f"asked for {n} pages, {self.num_free} free of {self.num_pages}")
+        pages = []
+        evicted = []
+        for _ in range(n):
+            p = self._head
+            self._unlink(p)
+            h = self.page_hash[p]
+            if h is not None:
+                evicted.append(p)
+                if self.cached.get(h) == p:
+                    del self.cached[h]
+                self.page_hash[p] = None
+                self.page_tokens[p] = None
+                self.num_evictions += 1
+            self.generation[p] += 1
+            self.ref[p] = 1
+            pages.append(p)
+        if self.observer is not None:
+            if evicted:
+                self.observer("evicted", evicted)
+            self.observer("allocated", pages)
+        return pages
+
+    def acquire(self, p: int) -> None:
+        """Take one more reference on a page (a prefix-cache hit); revives a cached-free page."""
+        if self._is_free[p]:
+            if self.page_hash[p] is None:
+                raise RuntimeError(f"page {p} is free and uncached: it cannot be shared")
+            self._unlink(p)
+        self.ref[p] += 1
+        if self.observer is not None:
+            self.observer("shared", [p])
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference per page; pages reaching zero join the free queue's tail.
+
+        Callers pass a sequence's pages tail first, so its last pages (least likely to
+        be shared as a prefix) are evicted before its first ones.
+        """
+        released = []
+        for p in pages:
+            r = self.ref[p]
+            if r <= 0:
+                raise RuntimeError(f"page {p} freed with refcount {r}")
+            self.ref[p] = r - 1
+            if r == 1:
+                self._push_tail(p)
+                released.append(p)
+        if self.observer is not None and released:
+            self.observer("freed", released)
+
+    # ---- prefix cache -----------------------------------------------------
+    def lookup(self, h: int, tokens: tuple) -> int | None:
+        """The page cached under h, only if it holds exactly these tokens."""
+        p = self.cached.get(h)
+        if p is None or self.page_tokens[p] != tokens:
+            return None
+        return p
+
+    def register(self, p: int, h: int, tokens: tuple) -> None:
+        """Mark a full, in-use page as holding the prefix identified by h."""
+        if not self.enable_prefix_caching or self.page_hash[p] is not None:
+            return
+        if h in self.cached:          # same content computed twice in one batch: keep the first
+            return
+        self.cached[h] = p
+        self.page_hash[p] = h
+        self.page_tokens[p] = tokens
+
+    # ---- state ------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def usage(self) -> float:
+        """Used / total pages (what the seed write-ups call get_memory_usage)."""
+        return self.num_used / self.num_pages
+
+    def refcounts(self) -> Sequence[int]:
+        return self.ref

@@ -1,0 +1,34 @@
+"""Token sampling for a batch: greedy rows by argmax, the rest by temperature / top-k / top-p."""
+from __future__ import annotations
+
+import torch
+
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list) -> list[int]:
+        greedy = logits.argmax(dim=-1)
+        if all(s.params.temperature == 0 for s in seqs):
+            return greedy.tolist()
+        out = greedy.clone()
+        for row, seq in enumerate(seqs):      # sampled rows only; one small op each
+            p = seq.params
+            if p.temperature == 0:
+                continue
+            x = logits[row].float().cpu() / p.temperature
+            if p.top_k:
+                kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.top_p < 1.0:
+                sp, si = probs.sort(descending=True)
+                keep = sp.cumsum(0) - sp < p.top_p
+                probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+            if p.seed is not None and seq.generator is None:   # per-request stream: reproducible
+                seq.generator = torch.Generator().manual_seed(p.seed)
+            gen = seq.generator or self.generator
+            out[row] = torch.multinomial(probs, 1, generator=gen).item()
+        return out.tolist()

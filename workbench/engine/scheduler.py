@@ -1,0 +1,102 @@
+"""Continuous batching: a token budget per step, chunked prefill, FCFS admission by free
+pages, preemption by recompute when the pool runs dry.
+
+Running sequences are served first, in admission order; when one cannot grow, the
+latest-admitted running sequence is preempted (its pages freed, its progress dropped)
+and re-queued at the front, so the oldest work always makes progress. Waiting requests
+are admitted strictly in order and only in steps with no preemption.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_manager import KVCacheManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, tokens this step)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 watermark: float = 0.01):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_pages = int(watermark * kv.pool.num_pages)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.grow(seq, n):
+                victim = self.running.pop()       # latest admitted goes first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            reserve = self.watermark_pages if self.running else 0
+            n = self.kv.try_admit(seq, lambda cached: min(seq.num_tokens - cached, budget), reserve)
+            if n == 0:
+                break                              # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            out.admitted.append(seq)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove seq wherever it is and give its pages back."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,77 @@
+"""Sequence: one request's tokens, pages and progress inside the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0          # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: off
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_len: int                               # prompt + output never exceeds this
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)      # prompt + output
+    pages: list[int] = field(default_factory=list)          # host page table
+    page_generations: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)    # chained hashes of full pages
+    num_computed_tokens: int = 0                            # tokens whose KV is in the pages
+    num_cached_tokens: int = 0                              # of those, prefix-cache hits
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    user_request_id: object = None                          # the id a caller or trace gave
+    generator: object = None                                # torch.Generator of a seeded request
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,73 @@
+"""Tokenizer: a thin wrapper over a Hugging Face tokenizer, loaded from a GGUF
+file or a HF model directory.
+
+Loading is lazy (on first use): importing transformers and rebuilding the BPE
+tokenizer from GGUF metadata costs several seconds, and benchmarks that feed
+random token ids never need it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer source not found: {path}")
+        if path.is_file() and path.suffix != ".gguf":
+            raise ValueError(f"tokenizer source must be a .gguf file or a model directory, got {path}")
+        self.path = path
+        self._hf: Any = None
+        self._lock = threading.Lock()  # engine submission is threaded
+
+    @property
+    def hf(self) -> Any:
+        """The underlying transformers tokenizer (loaded on first access)."""
+        if self._hf is None:
+            with self._lock:
+                if self._hf is None:
+                    self._hf = self._load()
+        return self._hf
+
+    def _load(self) -> Any:
+        from transformers import AutoTokenizer  # slow import; keep it lazy
+
+        if self.path.is_file():
+            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        return AutoTokenizer.from_pretrained(str(self.path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids transformers' `tokenizer(text)["input_ids"]` gives."""
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render messages with the model's chat template and tokenize them."""
+        ids = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.hf.eos_token_id
+        return () if eos is None else (int(eos),)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Base vocabulary plus added tokens, i.e. every id encode can return."""
+        return len(self.hf)
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._hf is not None else "not loaded"
+        return f"Tokenizer({str(self.path)!r}, {state})"
