@@ -24,3 +24,25 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_hf_model(tiny_llama_dir):
     from transformers import LlamaForCausalLM
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from workbench.engine.weights import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """Hugging Face transformers' own LlamaForCausalLM from the same GGUF: the reference."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                             dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    from workbench import Engine, EngineConfig
+    return Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=512))

@@ -77,8 +77,12 @@ class BatchBuilder:
         self.logits_indices = _Buffer(b, torch.int64, d)
         self.block_tables = BlockTables(b, max_pages_per_seq, d)
 
-    def build(self, scheduled: list[tuple[Sequence, int]], bind: bool = True) -> PackedBatch:
-        """scheduled: (sequence, tokens to compute this step) in batch order."""
+    def build(self, scheduled: list[tuple[Sequence, int]], bind: bool = True,
+              all_logits: bool = False) -> PackedBatch:
+        """scheduled: (sequence, tokens to compute this step) in batch order.
+
+        all_logits: logits for every token (teacher forcing), not just the sampled rows.
+        """
         ps = self.page_size
         b = len(scheduled)
         if b == 0 or b > self.max_seqs:
@@ -113,8 +117,13 @@ class BatchBuilder:
         # A row is sampled when its sequence has computed every known token after this step.
         total = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=b)
         sample_seq_idx = np.nonzero(ctx == total)[0]
-        s = len(sample_seq_idx)
-        self.logits_indices.np[:s] = cu_q[1:][sample_seq_idx] - 1
+        if all_logits:
+            s = t
+            logits_indices = torch.arange(t, device=self.device)
+        else:
+            s = len(sample_seq_idx)
+            self.logits_indices.np[:s] = cu_q[1:][sample_seq_idx] - 1
+            logits_indices = self.logits_indices.publish(s)
 
         bt = self.block_tables.bind(host_bt) if bind else self.block_tables.current()
         return PackedBatch(
@@ -129,7 +138,7 @@ class BatchBuilder:
             block_tables=bt,
             block_tables_version=self.block_tables.version,
             block_tables_checksum=self.block_tables.checksum,
-            logits_indices=self.logits_indices.publish(s),
+            logits_indices=logits_indices,
             seqs=seqs,
             sample_seq_idx=sample_seq_idx,
             query_lens_np=q_lens,

@@ -254,6 +254,29 @@ class Engine:
             bar.close()
         return [results[r] for r in order]
 
+    def score(self, prompts: Seq[Any]) -> list[torch.Tensor]:
+        """Logits at every position of each prompt (teacher forcing), packed into one step.
+
+        Runs outside the scheduler on an idle engine; the pages it takes are given back.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine: finish or abort the running requests first")
+        seqs = []
+        try:
+            for i, prompt in enumerate(prompts):
+                ids = self._prompt_ids(prompt)
+                self.validate_prompt(ids)
+                seq = Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1)
+                seq.pages = self.pool.allocate(pages_for(len(ids), self.config.page_size))
+                seqs.append(seq)
+            batch = self.builder.build([(s, s.num_tokens) for s in seqs], all_logits=True)
+            logits = self.model.forward(batch, self.kv, self.attn)
+        finally:
+            for s in seqs:
+                self.kv_manager.release(s)
+        cu = batch.cu_seqlens_q_np
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
+
     def stats(self) -> dict:
         pool = self.pool
         return {

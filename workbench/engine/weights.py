@@ -269,7 +269,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         if config.architecture == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             w = _unpermute_rope(w, n)
-        if not w.flags.writeable:  # F32/F16 views into the read-only mapping
+        if not w.flags.writeable:  # F32 tensors are views into the read-only mapping
             w = w.copy()
         state_dict[hf] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
 
