@@ -145,3 +145,46 @@ def test_kv_budget_sets_pages(tiny_llama_dir):
     eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(kv_cache_bytes=1 << 20))
     per_page = 2 * 2 * 16 * 2 * 16 * 4            # K+V x layers x page x kv heads x head_dim x fp32
     assert eng.num_pages == (1 << 20) // per_page
+
+
+def test_qwen2_with_qkv_bias_matches_transformers(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(7)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():                       # random init leaves biases at 0: make them count
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    eng = Engine.from_pretrained(tmp_path, EngineConfig(num_pages=128))
+    assert eng.model_config.attention_bias
+    ps = prompts(3, seed=5)
+    outs = eng.generate(ps, GREEDY)
+    for ids, out in zip(ps, outs):
+        assert out.token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_dtypes_run_close_to_fp32(tiny_llama_dir, dtype):
+    ref = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64, dtype=dtype))
+    assert eng.kv.k[0].dtype == getattr(torch, dtype)
+    ps = prompts(3, seed=9)
+    a, b = ref.score(ps), eng.score(ps)
+    for x, y in zip(a, b):
+        assert y.dtype == torch.float32 and torch.isfinite(y).all()
+        assert (x - y).abs().max() < 0.1
+    outs = eng.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in outs)
+
+
+def test_sampling_is_seeded(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=3, ignore_eos=True)
+    a, b = eng.generate([prompts(1)[0]] * 2, p)
+    assert a.token_ids == b.token_ids
+    c = eng.generate([prompts(1)[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=4, ignore_eos=True))[0]
+    assert c.token_ids != a.token_ids

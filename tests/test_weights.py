@@ -30,8 +30,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    return default_model_path()
+def gguf_path(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +40,13 @@ def ours(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+def hf_model(smollm2_hf):          # shared with the end-to-end tests (conftest)
+    return smollm2_hf[0]
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def hf_tokenizer(smollm2_hf):
+    return smollm2_hf[1]
 
 
 # ---------------------------------------------------------------- default GGUF
