@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .attention.base import AttentionBackend
 from .batch import PackedBatch
 from .kv_cache import KVCache
+from .linear import Linear
 from .model_config import ModelConfig
 
 
@@ -38,13 +39,13 @@ class Layer:
     def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device):
         p = f"model.layers.{i}."
         g = lambda n: sd[p + n].to(device=device, dtype=dtype)
-        self.w_qkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                                g("self_attn.v_proj.weight")]).contiguous()
-        self.b_qkv = (torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
-                                 g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
-        self.w_o = g("self_attn.o_proj.weight").contiguous()
-        self.w_gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).contiguous()
-        self.w_down = g("mlp.down_proj.weight").contiguous()
+        self.qkv = Linear(torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                                     g("self_attn.v_proj.weight")]).contiguous(),
+                          torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                                     g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
+        self.o = Linear(g("self_attn.o_proj.weight").contiguous())
+        self.gate_up = Linear(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).contiguous())
+        self.down = Linear(g("mlp.down_proj.weight").contiguous())
         self.norm_attn = g("input_layernorm.weight")
         self.norm_mlp = g("post_attention_layernorm.weight")
 
@@ -56,7 +57,9 @@ class LlamaModel:
         d = self.device
         self.embed = state_dict["model.embed_tokens.weight"].to(device=d, dtype=dtype)
         head = state_dict.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or cfg.tie_word_embeddings else head.to(d, dtype)
+        tied = head is None or cfg.tie_word_embeddings
+        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous())
+        self.tied = tied
         self.norm = state_dict["model.norm.weight"].to(device=d, dtype=dtype)
         self.layers = [Layer(state_dict, i, cfg, dtype, d) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
@@ -67,11 +70,19 @@ class LlamaModel:
 
     @property
     def num_params(self) -> int:
-        n = self.embed.numel() + self.norm.numel() + (0 if self.lm_head is self.embed else self.lm_head.numel())
+        n = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel)
         for L in self.layers:
-            n += sum(t.numel() for t in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down, L.norm_attn, L.norm_mlp))
-            n += 0 if L.b_qkv is None else L.b_qkv.numel()
+            n += sum(m.numel for m in (L.qkv, L.o, L.gate_up, L.down)) + L.norm_attn.numel() + L.norm_mlp.numel()
         return n
+
+    @property
+    def layer_bytes(self) -> int:
+        """Weight bytes one forward streams through the decoder layers (excluding the vocab head)."""
+        return sum(m.nbytes for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down))
+
+    @property
+    def linear_backend(self) -> str:
+        return self.layers[0].qkv.backend if self.layers else self.lm_head.backend
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
@@ -85,7 +96,7 @@ class LlamaModel:
         hooks = self.hooks
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
-            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            qkv = L.qkv(x)
             q = qkv[:, : self.q_size].view(t, hq, hd)
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
@@ -94,12 +105,12 @@ class LlamaModel:
                 hooks.on_kv(i, k, v, batch)
             attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
-            h = h + F.linear(o.reshape(t, hq * hd), L.w_o)
+            h = h + L.o(o.reshape(t, hq * hd))
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
-            gu = F.linear(x, L.w_gate_up)
+            gu = L.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, L.w_down)
+            h = h + L.down(F.silu(g) * u)
             if hooks is not None:
                 hooks.on_hidden(i, h, batch)
         last = h.index_select(0, batch.logits_indices)
-        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps)).float()

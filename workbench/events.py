@@ -1,0 +1,303 @@
+"""Typed engine events, the bus they travel on, and the EventLog that keeps them.
+
+The engine emits; probes, the log and widgets subscribe. Emission sites are written
+
+    if bus.wants(PagesAllocated):
+        bus.emit(PagesAllocated(...))
+
+so an event type nobody subscribes to costs one set lookup and allocates nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+now_ns = time.perf_counter_ns
+
+
+@dataclass(slots=True)
+class Event:
+    step: int
+    t_ns: int
+
+
+# ---- requests --------------------------------------------------------------
+@dataclass(slots=True)
+class RequestArrived(Event):
+    request_id: int
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestAdmitted(Event):
+    request_id: int
+    num_cached_tokens: int
+    num_pages: int
+
+
+@dataclass(slots=True)
+class RequestRejected(Event):
+    request_id: int | None
+    prompt_len: int
+    reason: str
+
+
+@dataclass(slots=True)
+class RequestPreempted(Event):
+    request_id: int
+    num_pages_freed: int
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class RequestFinished(Event):
+    request_id: int
+    reason: str
+    prompt_len: int
+    output_len: int
+    num_preemptions: int
+    ttft_s: float | None
+    latency_s: float | None
+
+
+# ---- pages -----------------------------------------------------------------
+@dataclass(slots=True)
+class PagesAllocated(Event):
+    pages: tuple
+    generations: tuple
+
+
+@dataclass(slots=True)
+class PagesFreed(Event):
+    pages: tuple          # pages whose refcount reached zero
+
+
+@dataclass(slots=True)
+class PagesShared(Event):
+    pages: tuple          # a prefix-cache hit took one more reference
+
+
+@dataclass(slots=True)
+class PagesEvicted(Event):
+    pages: tuple          # cached-free pages whose prefix hash was dropped for reuse
+
+
+# ---- the step --------------------------------------------------------------
+@dataclass(slots=True)
+class BlockTableBound(Event):
+    version: int
+    checksum: int
+    num_rows: int
+    width: int
+
+
+@dataclass(slots=True)
+class BatchPacked(Event):
+    request_ids: tuple
+    query_lens: tuple
+    context_lens: tuple
+    num_tokens: int
+    num_prefill: int
+    num_decode: int
+    cu_seqlens_q: Any = None       # the tensors as packed, for probes that check them
+    cu_seqlens_k: Any = None
+    slot_mapping: Any = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+@dataclass(slots=True)
+class AttentionRead(Event):
+    layer: int
+    block_table_version: int      # the version the kernel read
+    block_table_checksum: int     # checksum of the rows it read
+    bytes_read: int
+
+
+@dataclass(slots=True)
+class KVWritten(Event):
+    layer: int
+    k_absmax: float               # measured before the cast to the cache dtype
+    v_absmax: float
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StepFinished(Event):
+    duration_ns: int
+    num_tokens: int
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    bytes_weights: int
+    bytes_kv_read: int
+    bytes_kv_written: int
+    pages_used: int
+    pages_cached: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+# ---- locks -----------------------------------------------------------------
+@dataclass(slots=True)
+class LockWaited(Event):
+    lock: str
+    thread: str
+    site: str
+    wait_ns: int
+
+
+@dataclass(slots=True)
+class LockHeld(Event):
+    lock: str
+    thread: str
+    site: str
+    hold_ns: int
+
+
+EVENT_TYPES: tuple[type, ...] = (
+    RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
+    PagesAllocated, PagesFreed, PagesShared, PagesEvicted,
+    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, LockWaited, LockHeld,
+)
+EVENT_BY_NAME = {t.__name__: t for t in EVENT_TYPES}
+
+
+class EventBus:
+    """Synchronous publish/subscribe keyed by event type."""
+
+    def __init__(self) -> None:
+        self._subs: dict[type, list[Callable[[Event], None]]] = {}
+        self._wanted: frozenset[type] = frozenset()
+        self.on_error: Callable[[Callable, Event, BaseException], None] | None = None
+
+    def wants(self, etype: type) -> bool:
+        return etype in self._wanted
+
+    def subscribe(self, etypes: type | Iterable[type], fn: Callable[[Event], None]) -> None:
+        for t in ([etypes] if isinstance(etypes, type) else etypes):
+            self._subs.setdefault(t, []).append(fn)
+        self._wanted = frozenset(t for t, fs in self._subs.items() if fs)
+
+    def unsubscribe(self, fn: Callable[[Event], None]) -> None:
+        for fs in self._subs.values():
+            while fn in fs:
+                fs.remove(fn)
+        self._wanted = frozenset(t for t, fs in self._subs.items() if fs)
+
+    def emit(self, event: Event) -> None:
+        for fn in self._subs.get(type(event), ()):
+            try:
+                fn(event)
+            except Exception as e:           # a subscriber never breaks the engine
+                if self.on_error is None:
+                    raise
+                self.on_error(fn, event, e)
+
+
+# ---- the log ---------------------------------------------------------------
+_SKIP_COLUMNS = {"cu_seqlens_q", "cu_seqlens_k", "slot_mapping"}   # tensors stay out of the log
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if isinstance(v, tuple):
+        return list(v)
+    return str(v)
+
+
+class EventLog:
+    """Every event in columns (one table per event type), bounded, with spill to Parquet.
+
+    When a type's table passes max_rows, its oldest half goes to a Parquet file in
+    spill_dir (or is dropped and counted, without one). frame() reads spills back,
+    so the past stays whole as long as it was spilled.
+    """
+
+    def __init__(self, bus: EventBus | None = None, types: Iterable[type] = EVENT_TYPES,
+                 max_rows: int = 1_000_000, spill_dir: str | None = None):
+        self.max_rows = max_rows
+        self.spill_dir = spill_dir
+        self.tables: dict[type, dict[str, list]] = {}
+        self.spilled: dict[type, list[str]] = {}
+        self.dropped = 0
+        self.seq = 0                      # global order across types
+        self._types = tuple(types)
+        self._fields = {t: [f.name for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS]
+                        for t in self._types}
+        self.bus = None
+        if bus is not None:
+            self.attach(bus)
+
+    def attach(self, bus: EventBus) -> None:
+        self.bus = bus
+        bus.subscribe(self._types, self.record)
+
+    def detach(self) -> None:
+        if self.bus is not None:
+            self.bus.unsubscribe(self.record)
+            self.bus = None
+
+    def record(self, e: Event) -> None:
+        t = type(e)
+        cols = self.tables.get(t)
+        if cols is None:
+            cols = self.tables[t] = {"seq": [], **{f: [] for f in self._fields[t]}}
+        cols["seq"].append(self.seq)
+        self.seq += 1
+        for f in self._fields[t]:
+            cols[f].append(_plain(getattr(e, f)))
+        if len(cols["seq"]) > self.max_rows:
+            self._spill(t, cols)
+
+    def _spill(self, t: type, cols: dict[str, list]) -> None:
+        half = len(cols["seq"]) // 2
+        if self.spill_dir is not None:
+            import os
+            import pandas as pd
+            os.makedirs(self.spill_dir, exist_ok=True)
+            path = os.path.join(self.spill_dir, f"{t.__name__}-{len(self.spilled.get(t, []))}.parquet")
+            pd.DataFrame({k: v[:half] for k, v in cols.items()}).to_parquet(path)
+            self.spilled.setdefault(t, []).append(path)
+        else:
+            self.dropped += half
+        for k in cols:
+            del cols[k][:half]
+
+    def __len__(self) -> int:
+        return sum(len(c["seq"]) for c in self.tables.values())
+
+    def frame(self, etype: type | str | None = None):
+        """A pandas DataFrame of one event type, or of all (columns: seq, event, step, t_ns, ...)."""
+        import pandas as pd
+        if isinstance(etype, str):
+            etype = EVENT_BY_NAME[etype]
+        types = [etype] if etype is not None else [t for t in self._types if t in self.tables or t in self.spilled]
+        frames = []
+        for t in types:
+            parts = [pd.read_parquet(p) for p in self.spilled.get(t, [])]
+            if t in self.tables:
+                parts.append(pd.DataFrame(self.tables[t]))
+            if parts:
+                df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+                df.insert(1, "event", t.__name__)
+                frames.append(df)
+        if not frames:
+            cols = ["seq", "event", "step", "t_ns"] + ([f for f in self._fields[etype] if f not in ("step", "t_ns")]
+                                                      if etype is not None else [])
+            return pd.DataFrame(columns=cols)
+        df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        return df.sort_values("seq", kind="stable").reset_index(drop=True)
+
+    def events(self, etype: type) -> Iterable[Event]:
+        """Rebuild event objects of one type, in order (from memory only)."""
+        cols = self.tables.get(etype)
+        if not cols:
+            return []
+        names = self._fields[etype]
+        return [etype(**{n: cols[n][i] for n in names}) for i in range(len(cols["seq"]))]
