@@ -36,6 +36,7 @@ class PackedBatch:
     context_lens_np: np.ndarray
     cu_seqlens_q_np: np.ndarray
     page_size: int
+    attn_plan: object = None       # the attention backend's per-step index plan, shared by all layers
 
     @property
     def num_seqs(self) -> int:

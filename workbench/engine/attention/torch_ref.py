@@ -1,18 +1,48 @@
 """Reference paged attention in plain torch: runs on any device.
 
 Writes K/V by slot mapping (one index_copy_), then
-- decodes (one query token) in one batched call over gathered pages, masked by length;
+- decodes (one query token) in batched calls over gathered pages, grouped by context
+  length so padding to the longest member wastes little, masked by length;
 - prefill chunks one sequence at a time (a loop over sequences, never tokens): a
   chunk that starts at position 0 attends to its own fresh K/V, a chunk after a
   prefix-cache hit or an earlier chunk reads its context from the pages.
+Index tensors are planned once per step (plan()) and reused by every layer.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..batch import PackedBatch
 from .base import AttentionBackend
+
+
+@dataclass
+class DecodeGroup:
+    tok: torch.Tensor            # [Bd] row of each query token in the packed batch
+    pages: torch.Tensor          # [Bd * W] page ids read, row-major
+    mask: torch.Tensor | None    # [Bd, 1, 1, W*ps] key validity, None when all full
+    num_rows: int
+    width: int                   # pages per row
+
+
+@dataclass
+class PrefillSeq:
+    start: int
+    end: int
+    context: int
+    pages: torch.Tensor | None   # page ids read; None when the chunk is the whole context
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionPlan:
+    decode: list[DecodeGroup]
+    prefill: list[PrefillSeq]
+    pages_read: int              # pages the kernel reads per layer (for bandwidth accounting)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -24,51 +54,89 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
-    def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Pages of each row of block_tables, as [B, W*page_size, Hkv, D] (what the kernel reads)."""
-        b, w = block_tables.shape
-        return cache[block_tables.long()].reshape(b, w * cache.shape[1], self.num_kv_heads,
-                                                  self.head_dim).to(dtype)
-
-    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
-        out = torch.empty_like(q)
+    # ---- planning (once per step) ------------------------------------------
+    def plan(self, batch: PackedBatch) -> AttentionPlan:
+        if batch.attn_plan is not None:
+            return batch.attn_plan
         qlens, ctx, cu = batch.query_lens_np, batch.context_lens_np, batch.cu_seqlens_q_np
-        ps = k_cache.shape[1]
-        decode = (qlens == 1).nonzero()[0]
-        if len(decode):
-            self._decode(q, k_cache, v_cache, batch, decode, ps, out)
+        ps = batch.page_size
+        bt = batch.block_tables
+        dev = bt.device
+        decode, prefill, pages_read = [], [], 0
+        for rows in self.decode_groups(ctx, (qlens == 1).nonzero()[0], ps):
+            c = ctx[rows]
+            w = int(-(-c.max() // ps))
+            rows_t = torch.from_numpy(rows).to(dev)
+            pages = bt.index_select(0, rows_t)[:, :w].reshape(-1).long()
+            mask = None
+            if not (c == w * ps).all():
+                lens = torch.from_numpy(c).to(dev)
+                mask = (torch.arange(w * ps, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            tok = torch.from_numpy(cu[rows].astype(np.int64)).to(dev)
+            decode.append(DecodeGroup(tok, pages, mask, len(rows), w))
+            pages_read += len(rows) * w
         for i in (qlens > 1).nonzero()[0].tolist():
             a, b = int(cu[i]), int(cu[i + 1])
             n, c = b - a, int(ctx[i])
-            qs = q[a:b].transpose(0, 1)                                    # [Hq, n, D]
-            if c == n:   # the whole context is in this chunk: no page read needed
-                ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+            if c == n:
+                prefill.append(PrefillSeq(a, b, c, None, None))
+                continue
+            w = -(-c // ps)
+            mask = (torch.arange(c, device=dev)[None, :] <= torch.arange(c - n, c, device=dev)[:, None])
+            prefill.append(PrefillSeq(a, b, c, bt[i, :w].long(), mask))
+            pages_read += w
+        batch.attn_plan = AttentionPlan(decode, prefill, pages_read)
+        return batch.attn_plan
+
+    @staticmethod
+    def decode_groups(ctx: np.ndarray, decode: np.ndarray, ps: int, min_fill: float = 0.5) -> list[np.ndarray]:
+        """Split decode rows into groups of similar context length, so padding each group
+        to its longest member wastes at most ~(1 - min_fill) of the pages read."""
+        if len(decode) == 0:
+            return []
+        order = decode[np.argsort(-ctx[decode], kind="stable")]
+        groups, start = [], 0
+        longest = ctx[order[0]]
+        for j in range(1, len(order)):
+            if ctx[order[j]] < longest * min_fill and ctx[order[j]] > ps:
+                groups.append(order[start:j])
+                start, longest = j, ctx[order[j]]
+        groups.append(order[start:])
+        return groups
+
+    def gather(self, cache: torch.Tensor, pages: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """The pages a kernel reads, as [rows, W*page_size, Hkv, D].
+
+        One index_select of whole pages (contiguous rows): ~3x faster on CPU than
+        advanced indexing for decode-sized gathers.
+        """
+        n_pages = cache.shape[0]
+        out = cache.view(n_pages, -1).index_select(0, pages)
+        return out.view(rows, -1, self.num_kv_heads, self.head_dim).to(dtype)
+
+    # ---- compute ---------------------------------------------------------------
+    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
+        plan = self.plan(batch)
+        out = torch.empty_like(q)
+        hkv, d, hq = self.num_kv_heads, self.head_dim, self.num_heads
+        g = hq // hkv
+        for grp in plan.decode:
+            # GQA: the G query heads of each KV head ride on the query-length axis.
+            kd = self.gather(k_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)   # [Bd, Hkv, L, D]
+            vd = self.gather(v_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)
+            qd = q.index_select(0, grp.tok).view(grp.num_rows, hkv, g, d)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=self.scale)
+            out.index_copy_(0, grp.tok, o.reshape(grp.num_rows, hq, d))
+        for s in plan.prefill:
+            qs = q[s.start:s.end].transpose(0, 1)                                         # [Hq, n, D]
+            if s.pages is None:        # the whole context is in this chunk: no page read needed
+                ks, vs = k[s.start:s.end].transpose(0, 1), v[s.start:s.end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
-            else:
-                w = -(-c // ps)
-                bt = batch.block_tables[i:i + 1, :w]
-                ks = self.gather(k_cache, bt, q.dtype)[0, :c].transpose(0, 1)   # [Hkv, c, D]
-                vs = self.gather(v_cache, bt, q.dtype)[0, :c].transpose(0, 1)
-                # bottom-right aligned causal mask: query j sits at position c - n + j
-                mask = (torch.arange(c, device=q.device)[None, :]
-                        <= torch.arange(c - n, c, device=q.device)[:, None])
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
+            else:                      # bottom-right aligned causal mask over the paged context
+                ks = self.gather(k_cache, s.pages, 1, q.dtype)[0, :s.context].transpose(0, 1)
+                vs = self.gather(v_cache, s.pages, 1, q.dtype)[0, :s.context].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.scale,
                                                    enable_gqa=True)
-            out[a:b] = o.transpose(0, 1)
+            out[s.start:s.end] = o.transpose(0, 1)
         return out
-
-    def _decode(self, q, k_cache, v_cache, batch, rows, ps, out) -> None:
-        ctx = batch.context_lens_np[rows]
-        w = int(-(-ctx.max() // ps))
-        rows_t = torch.from_numpy(rows).to(q.device)
-        tok = torch.from_numpy(batch.cu_seqlens_q_np[rows]).to(q.device).long()
-        bt = batch.block_tables.index_select(0, rows_t)[:, :w]
-        kd = self.gather(k_cache, bt, q.dtype).transpose(1, 2)            # [Bd, Hkv, L, D]
-        vd = self.gather(v_cache, bt, q.dtype).transpose(1, 2)
-        lens = batch.context_lens.index_select(0, rows_t)
-        mask = torch.arange(w * ps, device=q.device)[None, :] < lens[:, None]   # [Bd, L]
-        qd = q.index_select(0, tok).unsqueeze(2)                         # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
-        out.index_copy_(0, tok, o.squeeze(2))
