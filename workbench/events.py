@@ -174,6 +174,7 @@ class EventBus:
         self._subs: dict[type, list[Callable[[Event], None]]] = {}
         self._wanted: frozenset[type] = frozenset()
         self.on_error: Callable[[Callable, Event, BaseException], None] | None = None
+        self.on_change: list[Callable[[], None]] = []     # told when the set of wanted types changes
 
     def wants(self, etype: type) -> bool:
         return etype in self._wanted
@@ -181,13 +182,18 @@ class EventBus:
     def subscribe(self, etypes: type | Iterable[type], fn: Callable[[Event], None]) -> None:
         for t in ([etypes] if isinstance(etypes, type) else etypes):
             self._subs.setdefault(t, []).append(fn)
-        self._wanted = frozenset(t for t, fs in self._subs.items() if fs)
+        self._changed()
 
     def unsubscribe(self, fn: Callable[[Event], None]) -> None:
         for fs in self._subs.values():
             while fn in fs:
                 fs.remove(fn)
+        self._changed()
+
+    def _changed(self) -> None:
         self._wanted = frozenset(t for t, fs in self._subs.items() if fs)
+        for cb in self.on_change:
+            cb()
 
     def emit(self, event: Event) -> None:
         for fn in self._subs.get(type(event), ()):
@@ -227,6 +233,8 @@ class EventLog:
         self.spilled: dict[type, list[str]] = {}
         self.dropped = 0
         self.seq = 0                      # global order across types
+        import threading
+        self._lock = threading.Lock()     # lock events arrive from other threads
         self._types = tuple(types)
         self._fields = {t: [f.name for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS]
                         for t in self._types}
@@ -245,15 +253,16 @@ class EventLog:
 
     def record(self, e: Event) -> None:
         t = type(e)
-        cols = self.tables.get(t)
-        if cols is None:
-            cols = self.tables[t] = {"seq": [], **{f: [] for f in self._fields[t]}}
-        cols["seq"].append(self.seq)
-        self.seq += 1
-        for f in self._fields[t]:
-            cols[f].append(_plain(getattr(e, f)))
-        if len(cols["seq"]) > self.max_rows:
-            self._spill(t, cols)
+        with self._lock:
+            cols = self.tables.get(t)
+            if cols is None:
+                cols = self.tables[t] = {"seq": [], **{f: [] for f in self._fields[t]}}
+            cols["seq"].append(self.seq)
+            self.seq += 1
+            for f in self._fields[t]:
+                cols[f].append(_plain(getattr(e, f)))
+            if len(cols["seq"]) > self.max_rows:
+                self._spill(t, cols)
 
     def _spill(self, t: type, cols: dict[str, list]) -> None:
         half = len(cols["seq"]) // 2

@@ -25,8 +25,8 @@ class PackedBatch:
     max_seqlen_k: int
     slot_mapping: torch.Tensor     # [T] int64: page * page_size + offset of each new token
     context_lens: torch.Tensor     # [B] int32: tokens of context each query attends to
-    block_tables: torch.Tensor     # [B, W] int32, bound this step
-    block_tables_version: int
+    block_tables: torch.Tensor     # [B, W] int32 view of the device buffer the kernels read
+    block_tables_version: int      # version / checksum of the table current for this step
     block_tables_checksum: int
     logits_indices: torch.Tensor   # [S] int64: rows whose next token is sampled
     seqs: list[Sequence]
@@ -126,7 +126,8 @@ class BatchBuilder:
             self.logits_indices.np[:s] = cu_q[1:][sample_seq_idx] - 1
             logits_indices = self.logits_indices.publish(s)
 
-        bt = self.block_tables.bind(host_bt) if bind else self.block_tables.current()
+        # The kernels read the device buffer; bind=False leaves it as the last step left it.
+        bt = self.block_tables.bind() if bind else self.block_tables.view()
         return PackedBatch(
             input_ids=self.input_ids.publish(t),
             positions=self.positions.publish(t),
@@ -137,8 +138,8 @@ class BatchBuilder:
             slot_mapping=self.slot_mapping.publish(t),
             context_lens=self.context_lens.publish(b),
             block_tables=bt,
-            block_tables_version=self.block_tables.version,
-            block_tables_checksum=self.block_tables.checksum,
+            block_tables_version=self.block_tables.host_version,
+            block_tables_checksum=self.block_tables.host_checksum,
             logits_indices=logits_indices,
             seqs=seqs,
             sample_seq_idx=sample_seq_idx,

@@ -17,6 +17,11 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from ..events import (BatchPacked, BlockTableBound, EventBus, RequestAdmitted, RequestArrived,
+                      RequestFinished, RequestPreempted, StepFinished, now_ns)
+from ..events import RequestRejected as RequestRejectedEvent
+from ..locks import InstrumentedLock
+from . import instrumentation
 from .attention import get_backend
 from .batch import BatchBuilder, PackedBatch
 from .config import ConfigError, EngineConfig
@@ -73,11 +78,19 @@ class Engine:
         self.builder = BatchBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                     pages_for(self.max_model_len, ps), ps, self.device)
         self.sampler = Sampler(config.seed)
+        # Events: emitted only for types someone subscribes to (see instrumentation.py).
+        self.bus = EventBus()
+        self.model_hooks = instrumentation.ModelHooks(self)
+        self.bus.on_change.append(lambda: instrumentation.refresh(self))
+        # The page-table lock: scheduling, page allocation and binding happen under it.
+        self.lock = InstrumentedLock("page_table", self.bus, lambda: self.step_count)
+        self.weight_bytes = self.model.layer_bytes + self.model.lm_head.nbytes
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.step_count = 0
         self.last_batch: PackedBatch | None = None
         self._seqs: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._notices: queue.SimpleQueue = queue.SimpleQueue()   # rejections, for the event stream
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
@@ -133,8 +146,13 @@ class Engine:
                     request_id: Any = None) -> int:
         """Queue a request; returns its id. Raises RequestRejected, changing nothing, if it can never run."""
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
-        self.validate_prompt(ids)
+        try:
+            ids = self._prompt_ids(prompt)
+            self.validate_prompt(ids)
+        except RequestRejected as e:
+            n = len(prompt) if isinstance(prompt, (list, tuple, str)) else 0
+            self._notices.put((request_id, n, str(e)))     # reported as an event by the engine thread
+            raise
         with self._id_lock:
             rid = next(self._ids)
         cap = min(self.max_model_len, self.num_pages * self.config.page_size)
@@ -151,6 +169,10 @@ class Engine:
 
     # ---- the step (engine thread) ----------------------------------------
     def _drain_inbox(self) -> list[RequestOutput]:
+        while not self._notices.empty():
+            rid, n, why = self._notices.get_nowait()
+            if self.bus.wants(RequestRejectedEvent):
+                self.bus.emit(RequestRejectedEvent(self.step_count, now_ns(), rid, n, why))
         aborted = []
         while True:
             try:
@@ -160,17 +182,25 @@ class Engine:
             if kind == "add":
                 self._seqs[item.request_id] = item
                 self.scheduler.add(item)
+                if self.bus.wants(RequestArrived):
+                    self.bus.emit(RequestArrived(self.step_count, now_ns(), item.request_id,
+                                                 item.num_prompt_tokens, item.params.max_tokens))
             else:
                 seq = self._seqs.pop(item, None)
                 if seq is not None:
-                    self.scheduler.finish(seq, "abort")
+                    with self.lock:
+                        self.scheduler.finish(seq, "abort")
                     seq.finish_time = time.perf_counter()
+                    self._emit_finished(seq)
                     aborted.append(self._output(seq))
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox()
-        sched = self.scheduler.schedule()
+        t0 = time.perf_counter_ns()
         self.step_count += 1
+        bus = self.bus
+        outputs = self._drain_inbox()
+        with self.lock:
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 head = self.scheduler.waiting[0]
@@ -178,12 +208,20 @@ class Engine:
                                    f"({head.num_tokens} tokens) cannot be admitted into an idle pool "
                                    f"of {self.pool.num_free}/{self.num_pages} free pages")
             return outputs
-        batch = self.builder.build(sched.scheduled)
+        self._emit_schedule(sched)
+        with self.lock:
+            batch = self.builder.build(sched.scheduled)
         self.last_batch = batch
+        if bus.wants(BlockTableBound):
+            bt = self.builder.block_tables
+            bus.emit(BlockTableBound(self.step_count, now_ns(), bt.version, bt.checksum, *bt.shape))
+        if bus.wants(BatchPacked):
+            self._emit_packed(batch)
         logits = self.model.forward(batch, self.kv, self.attn)
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.kv_manager.cache_full_pages(seq)
+        with self.lock:
+            for seq, n in sched.scheduled:
+                seq.num_computed_tokens += n
+                self.kv_manager.cache_full_pages(seq)
         sampled = [batch.seqs[i] for i in batch.sample_seq_idx]
         if sampled:
             tokens = self.sampler(logits, sampled)
@@ -194,11 +232,60 @@ class Engine:
                     seq.first_token_time = now
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
-                    self.scheduler.finish(seq, reason)
+                    with self.lock:
+                        self.scheduler.finish(seq, reason)
                     seq.finish_time = now
                     del self._seqs[seq.request_id]
+                    self._emit_finished(seq)
                 outputs.append(self._output(seq))
+        if bus.wants(StepFinished):
+            self._emit_step(batch, time.perf_counter_ns() - t0)
         return outputs
+
+    # ---- events --------------------------------------------------------------
+    def _emit_schedule(self, sched: SchedulerOutput) -> None:
+        bus, step = self.bus, self.step_count
+        if sched.preempted and bus.wants(RequestPreempted):
+            for s in sched.preempted:
+                bus.emit(RequestPreempted(step, now_ns(), s.request_id, 0, 0))
+        if sched.admitted and bus.wants(RequestAdmitted):
+            for s in sched.admitted:
+                bus.emit(RequestAdmitted(step, now_ns(), s.request_id, s.num_cached_tokens, len(s.pages)))
+
+    def _emit_packed(self, batch: PackedBatch) -> None:
+        q = batch.query_lens_np
+        self.bus.emit(BatchPacked(
+            self.step_count, now_ns(), tuple(s.request_id for s in batch.seqs), tuple(q.tolist()),
+            tuple(batch.context_lens_np.tolist()), batch.num_tokens, int((q > 1).sum()), int((q == 1).sum()),
+            batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping, batch.max_seqlen_q,
+            batch.max_seqlen_k))
+
+    def _emit_finished(self, seq: Sequence) -> None:
+        if self.bus.wants(RequestFinished):
+            ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+            lat = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
+            self.bus.emit(RequestFinished(self.step_count, now_ns(), seq.request_id, seq.finish_reason or "",
+                                          seq.num_prompt_tokens, len(seq.output_token_ids),
+                                          seq.num_preemptions, ttft, lat))
+
+    def step_bytes(self, batch: PackedBatch) -> tuple[int, int]:
+        """(KV bytes read, KV bytes written) by this step's attention, from the block tables."""
+        plan = batch.attn_plan
+        pages = plan.pages_read if plan is not None else 0
+        mc = self.model_config
+        elem = self.kv.k[0].element_size()
+        written = batch.num_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+        return pages * self.kv.bytes_per_page, written
+
+    def _emit_step(self, batch: PackedBatch, dt_ns: int) -> None:
+        kv_read, kv_written = self.step_bytes(batch)
+        q = batch.query_lens_np
+        pool = self.pool
+        self.bus.emit(StepFinished(
+            self.step_count, now_ns(), dt_ns, batch.num_tokens, batch.num_seqs, int(q[q > 1].sum()),
+            int((q == 1).sum()), self.weight_bytes, kv_read, kv_written, pool.num_used,
+            pool.num_cached_free, len(self.scheduler.running), len(self.scheduler.waiting),
+            self.scheduler.num_preemptions))
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -279,6 +366,10 @@ class Engine:
 
     def stats(self) -> dict:
         pool = self.pool
+        with self.lock:
+            return self._stats(pool)
+
+    def _stats(self, pool) -> dict:
         return {
             "pages_total": pool.num_pages,
             "pages_used": pool.num_used,

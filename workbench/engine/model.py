@@ -66,7 +66,7 @@ class LlamaModel:
         self.cos, self.sin = cos.to(d, dtype), sin.to(d, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.hooks = None     # probes set an object with on_kv(layer, k, v, batch) / on_hidden(...)
+        self.hooks = None     # set by the engine while probes listen: on_kv / on_attention / on_hidden
 
     @property
     def num_params(self) -> int:
@@ -105,6 +105,8 @@ class LlamaModel:
                 hooks.on_kv(i, k, v, batch)
             attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
+            if hooks is not None:
+                hooks.on_attention(i, batch, batch.block_tables)
             h = h + L.o(o.reshape(t, hq * hd))
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
             gu = L.gate_up(x)

@@ -1,0 +1,79 @@
+"""Event plumbing: typed events reach subscribers, cost nothing unsubscribed, land in the log."""
+import pytest
+
+from workbench import Engine, EngineConfig, Probe, SamplingParams, Workbench
+from workbench.events import (BatchPacked, EventBus, EventLog, PagesAllocated, RequestFinished,
+                              StepFinished)
+
+
+@pytest.fixture()
+def engine(tiny_llama_dir):
+    return Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
+
+
+def test_nothing_wired_when_nobody_listens(engine):
+    assert engine.pool.observer is None and engine.model.hooks is None
+    log = EventLog(engine.bus)
+    assert engine.pool.observer is not None and engine.model.hooks is not None
+    log.detach()
+    assert engine.pool.observer is None and engine.model.hooks is None
+
+
+def test_event_log_records_a_run(engine):
+    log = EventLog(engine.bus)
+    outs = engine.generate([[5, 6, 7] * 10, [9] * 40], SamplingParams(max_tokens=5, ignore_eos=True))
+    df = log.frame()
+    counts = df["event"].value_counts()
+    for name in ("RequestArrived", "RequestAdmitted", "PagesAllocated", "BlockTableBound", "BatchPacked",
+                 "AttentionRead", "KVWritten", "StepFinished", "RequestFinished", "PagesFreed"):
+        assert counts.get(name, 0) > 0, name
+    fin = log.frame(RequestFinished)
+    assert sorted(fin["request_id"]) == sorted(o.request_id for o in outs)
+    assert (fin["output_len"] == 5).all()
+    steps = log.frame(StepFinished)
+    assert steps["num_tokens"].iloc[0] == 70 and (steps["duration_ns"] > 0).all()
+    alloc = log.frame(PagesAllocated)
+    assert sum(len(p) for p in alloc["pages"]) >= 2 + 3          # ceil(30/16) + ceil(40/16)
+    assert df["seq"].is_monotonic_increasing
+
+
+def test_event_log_spills_to_parquet(engine, tmp_path):
+    log = EventLog(engine.bus, types=[BatchPacked], max_rows=4, spill_dir=str(tmp_path))
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert list(tmp_path.glob("BatchPacked-*.parquet"))
+    assert len(log.frame(BatchPacked)) == 12 and log.dropped == 0
+
+
+def test_bus_error_handler_and_unsubscribe():
+    bus = EventBus()
+    seen, errors = [], []
+    bus.on_error = lambda fn, ev, e: errors.append(e)
+    bad = lambda e: 1 / 0
+    bus.subscribe(PagesAllocated, seen.append)
+    bus.subscribe(PagesAllocated, bad)
+    bus.emit(PagesAllocated(0, 0, (1,), (1,)))
+    assert len(seen) == 1 and isinstance(errors[0], ZeroDivisionError)
+    bus.unsubscribe(seen.append)
+    bus.unsubscribe(bad)
+    assert not bus.wants(PagesAllocated)
+
+
+class Exploding(Probe):
+    name = "exploding"
+
+    def on_attach(self, engine):
+        self.listen(StepFinished, self.boom)
+
+    def boom(self, e):
+        raise RuntimeError("probe bug")
+
+
+def test_a_raising_probe_becomes_a_finding_and_the_engine_carries_on(engine):
+    wb = Workbench(engine)
+    p = Exploding().attach(engine)
+    wb.probes["exploding"] = p
+    outs = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(outs[0].token_ids) == 6
+    df = wb.findings
+    assert list(df["kind"]) == ["probe-error"]          # deduplicated: one finding, not one per step
+    assert "probe bug" in df["message"].iloc[0] and df["severity"].iloc[0] == "error"

@@ -1,0 +1,57 @@
+"""Fault: one production failure, reproduced on a live engine and undone on exit.
+
+A fault changes the engine the way the production bug did (a moved call, a missing
+refcount, a corrupted tensor, a thread that hammers a lock), so the *symptom* is real:
+garbled text, a hang, slower steps, growing memory. It must restore everything in
+disable(), so the same engine runs clean afterwards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class Fault:
+    name = "fault"
+    symptom = ""        # what production saw
+    cause = ""          # the root cause, in one sentence
+    caught_by = ""      # the probe that names it
+    fix = ""            # what fixed it in production / the option that fixes it here
+    notebook = ""       # the notebook that walks from symptom to fix
+
+    def __init__(self, engine, **params: Any):
+        self.engine = engine
+        self.params = params
+        self._undo: list = []
+        self.enabled = False
+
+    def patch(self, obj: Any, attr: str, value: Any) -> None:
+        """Set obj.attr = value, remembering how to put it back."""
+        had = attr in vars(obj) if hasattr(obj, "__dict__") else False
+        old = getattr(obj, attr)
+        setattr(obj, attr, value)
+        self._undo.append((obj, attr, old, had))
+
+    def enable(self) -> None:
+        self.enabled = True
+        self.on_enable()
+
+    def disable(self) -> None:
+        try:
+            self.on_disable()
+        finally:
+            for obj, attr, old, had in reversed(self._undo):
+                if had:
+                    setattr(obj, attr, old)
+                else:
+                    try:
+                        delattr(obj, attr)
+                    except AttributeError:
+                        setattr(obj, attr, old)
+            self._undo.clear()
+            self.enabled = False
+
+    def on_enable(self) -> None:
+        raise NotImplementedError
+
+    def on_disable(self) -> None:
+        pass

@@ -1,0 +1,64 @@
+"""Workbench: the facade over an engine, its event log and its probes.
+
+Like Holistic Trace Analysis: a thin front over the analyzers, every answer a
+DataFrame first (wb.findings, wb.probe(name).frame()), a figure on request.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .events import EventLog
+from .findings import SEVERITY_RANK, Finding, findings_frame
+
+
+class Workbench:
+    def __init__(self, engine, log: bool = True, max_log_rows: int = 1_000_000, spill_dir: str | None = None):
+        self.engine = engine
+        self.probes: dict[str, Any] = {}
+        self.log = EventLog(engine.bus, max_rows=max_log_rows, spill_dir=spill_dir) if log else None
+
+    @classmethod
+    def default(cls, config=None, **kw) -> "Workbench":
+        from .engine import Engine, EngineConfig
+        return cls(Engine.from_default(config or EngineConfig()), **kw)
+
+    def attach(self, *names: str, **params: Any) -> "Workbench":
+        """Attach probes by name (all of them when none is named). params: {name: {...}} per probe."""
+        import probes as registry
+        for name in names or registry.available():
+            if name in self.probes:
+                continue
+            cls = registry.probe_class(name)
+            self.probes[name] = cls(**params.get(name, {})).attach(self.engine)
+        return self
+
+    def detach(self, *names: str) -> None:
+        for name in names or list(self.probes):
+            p = self.probes.pop(name, None)
+            if p is not None:
+                p.detach()
+
+    def probe(self, name: str):
+        if name not in self.probes:
+            raise KeyError(f"probe {name!r} is not attached; attached: {', '.join(self.probes) or 'none'}")
+        return self.probes[name]
+
+    def all_findings(self) -> list[Finding]:
+        out = [f for p in self.probes.values() for f in p.findings]
+        return sorted(out, key=lambda f: (f.step if f.step is not None else -1, f.time))
+
+    @property
+    def findings(self):
+        """Every probe's findings as one DataFrame (probe, severity, step, request_id, layer, page, ...)."""
+        return findings_frame(self.all_findings())
+
+    def findings_at_least(self, severity: str) -> list[Finding]:
+        return [f for f in self.all_findings() if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[severity]]
+
+    def reset(self) -> None:
+        for p in self.probes.values():
+            p.reset()
+
+    def run(self, prompts, params=None, progress: bool = False):
+        """engine.generate with the probes watching; returns the outputs."""
+        return self.engine.generate(prompts, params, progress=progress)
