@@ -1,0 +1,40 @@
+"""Capture: every request that reaches the engine, appended to a JSONL trace as it arrives.
+
+One line per record, written and flushed before add_request returns, so a process
+killed at any moment leaves every complete line readable (a torn last line is
+skipped by the reader). The format is the native one read_trace reads back.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+class TraceCapture:
+    def __init__(self, path: str | Path, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._lock = threading.Lock()          # add_request may run on many threads
+        self._t0 = time.perf_counter()
+        self.count = 0
+
+    def record(self, request_id, prompt_token_ids: list[int], params, arrival: float | None = None) -> None:
+        t = (arrival if arrival is not None else time.perf_counter()) - self._t0
+        sampling = {k: v for k, v in asdict(params).items() if k != "max_tokens"}
+        sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", ()))
+        line = json.dumps({"id": request_id, "arrival_s": round(max(t, 0.0), 6),
+                           "output_len": params.max_tokens, "prompt_token_ids": list(prompt_token_ids),
+                           "sampling": sampling}, separators=(",", ":"))
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+            self.count += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.close()
