@@ -29,17 +29,27 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], []
-        ps, toks = self.page_size, seq.token_ids
-        pages, hashes, h = [], [], None
-        for i in range((len(toks) - 1) // ps):
-            block = tuple(toks[i * ps:(i + 1) * ps])
-            h = hash_page(h, block)
+        ps = self.page_size
+        pages, hashes = [], []
+        for i in range((seq.num_tokens - 1) // ps):
+            h, block = self.chain(seq, i)
             p = self.pool.lookup(h, block)
             if p is None:
                 break
             pages.append(p)
             hashes.append(h)
         return pages, hashes
+
+    def chain(self, seq: Sequence, i: int) -> tuple[int, tuple]:
+        """(chained hash, content key) of seq's page i, memoised on the sequence: a request
+        waiting for pages is looked up again every step, and its hashes never change."""
+        memo = seq.hash_chain
+        ps = self.page_size
+        while len(memo) <= i:
+            j = len(memo)
+            block = seq.page_key(j, ps)
+            memo.append((hash_page(memo[-1][0] if memo else None, block), block))
+        return memo[i]
 
     def try_admit(self, seq: Sequence, num_new_tokens_fn, reserve_pages: int = 0) -> int:
         """Map seq's cached prefix and allocate pages for its first chunk.
@@ -92,12 +102,9 @@ class KVCacheManager:
         """Register each newly completed page under its chained hash."""
         if not self.enable_prefix_caching:
             return
-        ps = self.page_size
-        num_full = min(seq.num_computed_tokens // ps, len(seq.pages))
+        num_full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
         hashes = seq.page_hashes
-        h = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            block = tuple(seq.token_ids[i * ps:(i + 1) * ps])
-            h = hash_page(h, block)
+            h, block = self.chain(seq, i)
             hashes.append(h)
             self.pool.register(seq.pages[i], h, block)

@@ -47,6 +47,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)          # host page table
     page_generations: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)    # chained hashes of full pages
+    hash_chain: list = field(default_factory=list)          # memo: (hash, key) per full page
     num_computed_tokens: int = 0                            # tokens whose KV is in the pages
     num_cached_tokens: int = 0                              # of those, prefix-cache hits
     num_preemptions: int = 0
@@ -71,6 +72,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def page_key(self, i: int, page_size: int) -> tuple:
+        """What page i holds, for prefix-cache matching: its tokens."""
+        return tuple(self.token_ids[i * page_size:(i + 1) * page_size])
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
