@@ -68,16 +68,21 @@ class RequestFinished(Event):
 class PagesAllocated(Event):
     pages: tuple
     generations: tuple
+    request_id: int | None = None     # the sequence the pages went to
 
 
 @dataclass(slots=True)
 class PagesFreed(Event):
     pages: tuple          # pages whose refcount reached zero
+    request_id: int | None = None     # the sequence that let go
+    cached: tuple = ()    # of `pages`, those that keep their prefix hash (cached-free, reusable)
+    still_shared: tuple = ()          # pages this sequence let go that others still map
 
 
 @dataclass(slots=True)
 class PagesShared(Event):
     pages: tuple          # a prefix-cache hit took one more reference
+    request_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -66,6 +66,7 @@ class KVCacheManager:
         revived = sum(1 for p in hit_pages if self.pool.is_free(p))   # hits that leave the free queue
         if self.pool.num_free - revived < need + reserve_pages:
             return 0
+        self.pool.actor = seq.request_id
         for p in hit_pages:
             self.pool.acquire(p)
         seq.pages = list(hit_pages) + self.pool.allocate(need)
@@ -85,6 +86,7 @@ class KVCacheManager:
             return True
         if need > self.pool.num_free:
             return False
+        self.pool.actor = seq.request_id
         new = self.pool.allocate(need)
         seq.pages.extend(new)
         seq.page_generations.extend(self.pool.generation[p] for p in new)
@@ -93,6 +95,7 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Return seq's pages, tail first; shared and cached pages survive for others."""
         if seq.pages:
+            self.pool.actor = seq.request_id
             self.pool.free(reversed(seq.pages))
         seq.pages = []
         seq.page_generations = []

@@ -51,7 +51,8 @@ class PagePool:
         self.num_free = n
         self.num_cached_free = 0                   # free pages that still carry a hash
         self.num_evictions = 0
-        self.observer = None                       # engine hook: called as observer(kind, pages)
+        self.observer = None                       # engine hook: observer(kind, pages, **detail)
+        self.actor = None                          # request id on whose behalf the pool is called
 
     # ---- free queue -------------------------------------------------------
     def _unlink(self, p: int) -> None:
@@ -136,7 +137,7 @@ class PagePool:
         Callers pass a sequence's pages tail first, so its last pages (least likely to
         be shared as a prefix) are evicted before its first ones.
         """
-        released = []
+        released, still = [], []
         for p in pages:
             r = self.ref[p]
             if r <= 0:
@@ -145,8 +146,11 @@ class PagePool:
             if r == 1:
                 self._push_tail(p)
                 released.append(p)
-        if self.observer is not None and released:
-            self.observer("freed", released)
+            else:
+                still.append(p)
+        if self.observer is not None and (released or still):
+            self.observer("freed", released, cached=tuple(p for p in released if self.page_hash[p] is not None),
+                          still_shared=tuple(still))
 
     # ---- prefix cache -----------------------------------------------------
     def lookup(self, h: int, tokens: tuple) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.config import EngineConfig
+from ..engine.instrumentation import pool_event
 from ..engine.kv_manager import KVCacheManager, pages_for
 from ..engine.pages import PagePool
 from ..engine.scheduler import Scheduler
@@ -97,14 +98,9 @@ class Simulator:
     def _rewire(self) -> None:
         bus = self.bus
         if any(bus.wants(t) for t in _POOL_EVENTS.values()):
-            def observer(kind, pages):
-                et = _POOL_EVENTS[kind]
-                if bus.wants(et):
-                    t = int(self.clock * 1e9)
-                    if et is PagesAllocated:
-                        bus.emit(et(self.step_count, t, tuple(pages), tuple(self.pool.generation[p] for p in pages)))
-                    else:
-                        bus.emit(et(self.step_count, t, tuple(pages)))
+            def observer(kind, pages, **detail):
+                if bus.wants(_POOL_EVENTS[kind]):
+                    bus.emit(pool_event(kind, pages, self.pool, self.step_count, int(self.clock * 1e9), **detail))
             self.pool.observer = observer
         else:
             self.pool.observer = None
