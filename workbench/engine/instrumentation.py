@@ -44,18 +44,25 @@ class ModelHooks:
             t.on_hidden(layer, h, batch)
 
 
+def pool_event(kind: str, pages, pool, step: int, t_ns: int, **detail):
+    """The event for one pool callback (shared by the engine and the simulator)."""
+    pages, actor = tuple(pages), pool.actor
+    if kind == "allocated":
+        return PagesAllocated(step, t_ns, pages, tuple(pool.generation[p] for p in pages), actor)
+    if kind == "freed":
+        return PagesFreed(step, t_ns, pages, actor, detail.get("cached", ()), detail.get("still_shared", ()))
+    if kind == "shared":
+        return PagesShared(step, t_ns, pages, actor)
+    return PagesEvicted(step, t_ns, pages)
+
+
 def refresh(engine) -> None:
     """Wire or unwire the pool observer and model hooks to match what the bus wants."""
     bus = engine.bus
     if any(bus.wants(t) for t in POOL_EVENTS.values()):
-        def observer(kind, pages, _e=engine):
-            et = POOL_EVENTS[kind]
-            if _e.bus.wants(et):
-                if et is PagesAllocated:
-                    gens = tuple(_e.pool.generation[p] for p in pages)
-                    _e.bus.emit(et(_e.step_count, now_ns(), tuple(pages), gens))
-                else:
-                    _e.bus.emit(et(_e.step_count, now_ns(), tuple(pages)))
+        def observer(kind, pages, _e=engine, **detail):
+            if _e.bus.wants(POOL_EVENTS[kind]):
+                _e.bus.emit(pool_event(kind, pages, _e.pool, _e.step_count, now_ns(), **detail))
         engine.pool.observer = observer
     else:
         engine.pool.observer = None
@@ -64,3 +71,16 @@ def refresh(engine) -> None:
         engine.model.hooks = hooks
     else:
         engine.model.hooks = None
+
+
+def add_tap(engine, tap) -> None:
+    """Feed a probe's tap (on_kv / on_hidden) from the model; wires the hooks in."""
+    engine.model_hooks.taps.append(tap)
+    refresh(engine)
+
+
+def remove_tap(engine, tap) -> None:
+    """Stop feeding a tap; the hooks are unwired when nothing else needs them."""
+    hooks = engine.model_hooks
+    hooks.taps = [t for t in hooks.taps if t is not tap]
+    refresh(engine)
