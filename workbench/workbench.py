@@ -62,3 +62,17 @@ class Workbench:
     def run(self, prompts, params=None, progress: bool = False):
         """engine.generate with the probes watching; returns the outputs."""
         return self.engine.generate(prompts, params, progress=progress)
+
+    def dashboard(self, live: bool = True, **kw):
+        """Page map, timelines and findings on one step cursor: live while the engine runs
+        (throttled to 10 Hz), a time-travel view (Play + step slider) over the log after."""
+        from .widgets.dashboard import Dashboard
+        return Dashboard.from_workbench(self, live=live, **kw)
+
+    def export_html(self, path: str, **kw) -> str:
+        """The dashboard's views as one self-contained HTML file (no CDN), for an incident ticket."""
+        dash = self.dashboard(live=False)
+        try:
+            return dash.to_html(path, **kw)
+        finally:
+            dash.close()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp16_scaled",)
+PAGE_TABLE_LOCKS = ("global", "sharded")
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads on CPU (None: torch's default)
     capture_trace: str | None = None      # path of a JSONL file that records every arriving request
+    # "global": one page-table lock for the step, every stream's table update and every
+    # stats() reader (the lock_storm setup); "sharded": a lock per stream shard, stats()
+    # from a snapshot published after each step (the fix, field note 6).
+    page_table_lock: str = "global"
     # Escape hatch for the slow_page_size fault: production ran with page_size=12 for weeks.
     allow_unsupported_page_size: bool = field(default=False, repr=False)
 
@@ -76,6 +81,8 @@ class EngineConfig:
             raise ConfigError(f"watermark={self.watermark} must be in [0, 0.5)")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ConfigError(f"num_threads must be a positive int, got {self.num_threads!r}")
+        if self.page_table_lock not in PAGE_TABLE_LOCKS:
+            raise ConfigError(f"page_table_lock={self.page_table_lock!r} is not one of {PAGE_TABLE_LOCKS}")
 
     def replace(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

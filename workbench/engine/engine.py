@@ -39,6 +39,7 @@ from .weights import LoadedModel, default_model_path, load_model
 log = logging.getLogger("workbench.engine")
 
 DEFAULT_NUM_PAGES = 2048
+PAGE_TABLE_SHARDS = 8              # lock domains with page_table_lock="sharded"
 Prompt = "str | list[int] | list[dict]"
 
 
@@ -54,6 +55,7 @@ class Engine:
         self.dtype = torch_dtype(config.dtype)
         kv_name = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.kv_dtype = torch_dtype("float16" if kv_name == "fp16_scaled" else kv_name)
+        self.kv_scaled = kv_name == "fp16_scaled"      # fp16 pages with a scale per page (kv_scale.py)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         ps = config.page_size
@@ -69,8 +71,8 @@ class Engine:
         self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
                                 max_positions=self.max_model_len)
         self.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim,
-                          self.kv_dtype, self.device)
-        self.attn = get_backend(self.device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                          self.kv_dtype, self.device, scaled=self.kv_scaled)
+        self.attn = get_backend(self.device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim, page_size=ps)
         self.pool = PagePool(num_pages, ps, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
@@ -84,6 +86,16 @@ class Engine:
         self.bus.on_change.append(lambda: instrumentation.refresh(self))
         # The page-table lock: scheduling, page allocation and binding happen under it.
         self.lock = InstrumentedLock("page_table", self.bus, lambda: self.step_count)
+        # page_table_lock="sharded": streams update their tables under a shard lock of their
+        # own and stats() reads a snapshot published after each step, so neither waits on
+        # (nor stalls) the step's lock. "global": both go through self.lock.
+        self.table_locks = ([InstrumentedLock(f"page_table[{i}]", self.bus, lambda: self.step_count)
+                             for i in range(PAGE_TABLE_SHARDS)] if config.page_table_lock == "sharded" else [])
+        self._stats_lock = threading.Lock()
+        self._stats_snapshot: dict | None = None
+        # Heartbeat for the watchdog: when the current (or last) step began, on which thread.
+        self.step_started_ns = 0
+        self.step_thread_id: int | None = None
         self.weight_bytes = self.model.layer_bytes + self.model.lm_head.nbytes
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.step_count = 0
@@ -93,6 +105,10 @@ class Engine:
         self._notices: queue.SimpleQueue = queue.SimpleQueue()   # rejections, for the event stream
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
+        self.capture = None
+        if config.capture_trace:
+            from ..trace.capture import TraceCapture
+            self.capture = TraceCapture(config.capture_trace)
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
                  num_pages, ps, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
                  self.max_model_len)
@@ -158,6 +174,8 @@ class Engine:
         cap = min(self.max_model_len, self.num_pages * self.config.page_size)
         seq = Sequence(rid, ids, params, max_len=min(cap, len(ids) + params.max_tokens),
                        user_request_id=request_id)
+        if self.capture is not None:
+            self.capture.record(rid if request_id is None else request_id, ids, params, seq.arrival_time)
         self._inbox.put(("add", seq))
         return rid
 
@@ -196,6 +214,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter_ns()
+        self.step_started_ns, self.step_thread_id = t0, threading.get_ident()
         self.step_count += 1
         bus = self.bus
         outputs = self._drain_inbox()
@@ -207,6 +226,7 @@ class Engine:
                 raise RuntimeError(f"scheduler stalled: request {head.request_id} "
                                    f"({head.num_tokens} tokens) cannot be admitted into an idle pool "
                                    f"of {self.pool.num_free}/{self.num_pages} free pages")
+            self._publish_stats()
             return outputs
         self._emit_schedule(sched)
         with self.lock:
@@ -240,6 +260,7 @@ class Engine:
                 outputs.append(self._output(seq))
         if bus.wants(StepFinished):
             self._emit_step(batch, time.perf_counter_ns() - t0)
+        self._publish_stats()
         return outputs
 
     # ---- events --------------------------------------------------------------
@@ -365,9 +386,27 @@ class Engine:
         return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
 
     def stats(self) -> dict:
+        if self.table_locks:                   # sharded: the last published snapshot, no step lock
+            with self._stats_lock:
+                snap = self._stats_snapshot
+            if snap is not None:
+                return dict(snap)
         pool = self.pool
         with self.lock:
             return self._stats(pool)
+
+    def _publish_stats(self) -> None:
+        # On the engine thread, which alone mutates pool and scheduler: no step lock needed.
+        if self.table_locks:
+            snap = self._stats(self.pool)
+            with self._stats_lock:
+                self._stats_snapshot = snap
+
+    def table_lock(self, key: Any) -> InstrumentedLock:
+        """The lock a stream takes to update its page table: the global one, or its shard's."""
+        if not self.table_locks:
+            return self.lock
+        return self.table_locks[hash(key) % len(self.table_locks)]
 
     def _stats(self, pool) -> dict:
         return {

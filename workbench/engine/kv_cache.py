@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_scale import attach_scale
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,13 +20,24 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, scaled: bool = False):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dtype = dtype
         self.num_pages, self.page_size = num_pages, page_size
         self.bytes_per_page = page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        # fp16_scaled: one float32 scale per page, layer, K and V (kv_scale.py), carried by
+        # each page tensor as .page_scale so backends get it with the cache.
+        self.scaled = scaled
+        if scaled:
+            for t in self.k + self.v:
+                attach_scale(t)
+            self.bytes_per_page += 2 * num_layers * 4
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K scales, V scales) [num_pages] of a layer, or None when the cache is not scaled."""
+        return (self.k[layer].page_scale, self.v[layer].page_scale) if self.scaled else None
 
     @property
     def total_bytes(self) -> int:

@@ -67,8 +67,7 @@ class KVCacheManager:
         if self.pool.num_free - revived < need + reserve_pages:
             return 0
         self.pool.actor = seq.request_id
-        for p in hit_pages:
-            self.pool.acquire(p)
+        self.pool.acquire(hit_pages)
         seq.pages = list(hit_pages) + self.pool.allocate(need)
         seq.page_generations = [self.pool.generation[p] for p in seq.pages]
         seq.page_hashes = hit_hashes

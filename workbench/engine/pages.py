@@ -121,15 +121,16 @@ class PagePool:
             self.observer("allocated", pages)
         return pages
 
-    def acquire(self, p: int) -> None:
-        """Take one more reference on a page (a prefix-cache hit); revives a cached-free page."""
-        if self._is_free[p]:
-            if self.page_hash[p] is None:
-                raise RuntimeError(f"page {p} is free and uncached: it cannot be shared")
-            self._unlink(p)
-        self.ref[p] += 1
-        if self.observer is not None:
-            self.observer("shared", [p])
+    def acquire(self, pages: list[int]) -> None:
+        """Take one more reference on each page (prefix-cache hits); revives cached-free pages."""
+        for p in pages:
+            if self._is_free[p]:
+                if self.page_hash[p] is None:
+                    raise RuntimeError(f"page {p} is free and uncached: it cannot be shared")
+                self._unlink(p)
+            self.ref[p] += 1
+        if self.observer is not None and pages:
+            self.observer("shared", pages)
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference per page; pages reaching zero join the free queue's tail.

@@ -23,6 +23,8 @@ class Sampler:
                 kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))
             probs = torch.softmax(x, dim=-1)
+            if not bool(probs.isfinite().all()):   # NaN logits (an fp16 overflow): keep the argmax row, never crash
+                continue
             if p.top_p < 1.0:
                 sp, si = probs.sort(descending=True)
                 keep = sp.cumsum(0) - sp < p.top_p

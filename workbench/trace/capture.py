@@ -23,13 +23,15 @@ class TraceCapture:
         self.count = 0
 
     def record(self, request_id, prompt_token_ids: list[int], params, arrival: float | None = None) -> None:
-        t = (arrival if arrival is not None else time.perf_counter()) - self._t0
+        t = max((arrival if arrival is not None else time.perf_counter()) - self._t0, 0.0)
         sampling = {k: v for k, v in asdict(params).items() if k != "max_tokens"}
         sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", ()))
-        line = json.dumps({"id": request_id, "arrival_s": round(max(t, 0.0), 6),
-                           "output_len": params.max_tokens, "prompt_token_ids": list(prompt_token_ids),
-                           "sampling": sampling}, separators=(",", ":"))
         with self._lock:
+            # threads race between stamping and writing: keep the file in arrival order
+            t = self._last = max(t, getattr(self, "_last", 0.0))
+            line = json.dumps({"id": request_id, "arrival_s": round(t, 6), "output_len": params.max_tokens,
+                               "prompt_token_ids": list(prompt_token_ids), "sampling": sampling},
+                              separators=(",", ":"))
             self._f.write(line + "\n")
             self._f.flush()
             self.count += 1

@@ -99,7 +99,7 @@ def replay(trace: Trace, target=None, mode: str = "full", *, time_scale: float =
     if workbench is not None and workbench.log is not None:
         ev_log = workbench.log
     elif log:
-        ev_log = EventLog(engine.bus)
+        ev_log = EventLog(engine.bus, max_rows=None)      # a replay's past is kept whole (time travel needs it)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -126,7 +126,11 @@ def replay(trace: Trace, target=None, mode: str = "full", *, time_scale: float =
         n_tok, produced = step()
         clock += cost(n_tok) if n_tok else 0.0
         st = engine.stats()
+        ps = engine.config.page_size
+        running = engine.scheduler.running
         steps.append({"step": st["steps"], "clock_s": clock, "num_tokens": n_tok, "pages_used": st["pages_used"],
+                      "waste_slots": sum(-s.num_computed_tokens % ps for s in running),
+                      "pages_mapped": sum(len(s.pages) for s in running),
                       "pages_cached": st["pages_cached"], "num_running": st["num_running"],
                       "num_waiting": st["num_waiting"], "num_preemptions": st["num_preemptions"],
                       "usage": st["kv_cache_usage"]})

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import kv_scale
 from ..batch import PackedBatch
 from .base import AttentionBackend
 
@@ -51,8 +52,20 @@ class TorchPagedAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, batch: PackedBatch) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         slots = batch.slot_mapping
+        if kv_scale.page_scale(k_cache) is not None:      # fp16_scaled: a scale per page
+            plan = self._scale_plan(batch, k_cache.shape[1])
+            kv_scale.write_scaled(k, k_cache, k_cache.page_scale, plan)
+            kv_scale.write_scaled(v, v_cache, v_cache.page_scale, plan)
+            return
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def _scale_plan(self, batch: PackedBatch, page_size: int) -> "kv_scale.WritePlan":
+        """The scaled write's page indices, computed once per step and shared by all layers."""
+        cached = getattr(self, "_scale_plan_of", None)
+        if cached is None or cached[0] is not batch:
+            self._scale_plan_of = cached = (batch, kv_scale.plan_write(batch.slot_mapping, page_size))
+        return cached[1]
 
     # ---- planning (once per step) ------------------------------------------
     def plan(self, batch: PackedBatch) -> AttentionPlan:
@@ -112,6 +125,9 @@ class TorchPagedAttention(AttentionBackend):
         """
         n_pages = cache.shape[0]
         out = cache.view(n_pages, -1).index_select(0, pages)
+        scale = kv_scale.page_scale(cache)
+        if scale is not None:                              # fp16_scaled: undo each page's scale
+            return kv_scale.unscale(out, scale, pages, dtype).view(rows, -1, self.num_kv_heads, self.head_dim)
         return out.view(rows, -1, self.num_kv_heads, self.head_dim).to(dtype)
 
     # ---- compute ---------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""What the probes cost: workload A with no probe vs every probe on, in one run.
+
+Also the cost of the event plumbing with nothing attached. That cannot be timed by
+switching it off (it is compiled into the step), so it is counted: every emission
+site is one `bus.wants(EventType)` set lookup; we count the lookups per step in a
+counting run, time one lookup over 10^6 calls, and report lookups x cost / step time.
+
+    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import timeit
+
+from engine_vs_hf import workload          # sibling script: benchmarks/ is sys.path[0]
+from workbench import Engine, EngineConfig, SamplingParams, Workbench
+from workbench.events import EventBus, PagesAllocated
+
+
+def run(engine, prompts, new):
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(prompts, params)
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each; best is kept")
+    a = ap.parse_args(argv)
+    prompts = workload(a.requests)
+    engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))
+    run(engine, workload(4, seed=1), 4)                    # warm-up
+    wb = Workbench(engine, log=True)
+    off, on = [], []
+    for _ in range(a.repeats):                             # alternate, so drift hits both
+        off.append(run(engine, prompts, a.new_tokens))
+        wb.attach()
+        on.append(run(engine, prompts, a.new_tokens))
+        wb.detach()
+        wb.log.detach()
+        wb = Workbench(engine, log=True)
+        wb.log.detach()
+    wb.log = None
+    toks = a.requests * a.new_tokens
+    t_off, t_on = min(off), min(on)
+    print(f"no probe : {toks / t_off:7.1f} output tok/s ({t_off:.2f} s)")
+    print(f"all probes + event log: {toks / t_on:7.1f} output tok/s ({t_on:.2f} s)")
+    print(f"throughput lost with every probe on: {1 - t_off / t_on:.1%} (target <= 5%)")
+
+    # plumbing with nothing attached: count bus.wants() calls per step
+    calls = 0
+    real = engine.bus.wants
+
+    def counting(t):
+        nonlocal calls
+        calls += 1
+        return real(t)
+    engine.bus.wants = counting
+    steps0 = engine.step_count
+    run(engine, prompts, a.new_tokens)
+    steps = engine.step_count - steps0
+    del engine.bus.wants
+    bus = EventBus()
+    per_call = min(timeit.repeat(lambda: bus.wants(PagesAllocated), number=1_000_000, repeat=3)) / 1e6
+    per_step = t_off / steps
+    cost = calls / steps * per_call
+    print(f"event plumbing, nothing attached: {calls / steps:.0f} bus.wants() checks per step x "
+          f"{per_call * 1e9:.0f} ns = {cost * 1e6:.1f} us per {per_step * 1e3:.1f} ms step = "
+          f"{cost / per_step:.3%} (target <= 1%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""page_table: the block table the kernels read, checked against the pool that owns the pages.
+
+Per forward (vectorised numpy over the [B, W] table, read once at layer 0 through a
+model-hook tap, before any page is read):
+- page ids outside [0, num_pages) in the bound table (kernels do not validate them);
+- all-zero rows for sequences that map non-zero pages (vllm #7003);
+- stale binding: the version a kernel read (AttentionRead.block_table_version) is not the
+  one current for the step (BlockTables.host_version); the finding names the rows whose
+  read pages differ from the page table.
+On every freed page (PagesFreed): a page freed while a live sequence still maps it.
+Every `every` steps (StepFinished), a scan of the live page tables against the pool:
+- pages mapped by a live sequence but free in the pool;
+- refcount != the number of live page tables mapping the page;
+- a page reused under a live sequence: its generation changed since the sequence got it.
+
+Cost: the per-forward check reads B*W int32 ids (a device sync off CPU) and does a few
+numpy passes over them. The scan is O(num_pages + mapped pages): two list->array
+conversions of the pool's ref/generation arrays and one pass over the live tables (a
+few hundred microseconds for thousands of pages); raise `every` for large pools.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from workbench.engine import instrumentation
+from workbench.events import AttentionRead, PagesFreed, StepFinished
+from workbench.probe import Probe
+
+HINT_RANGE = ("kernels (Ascend paged attention, flash_attn_with_kvcache) do not validate block ids: find "
+              "who wrote this row (a table sized for another pool, an unmasked padding id, an id from "
+              "another card's pool) and check ids in [0, num_pages) at bind time in debug builds")
+HINT_ZERO = ("a live sequence's row was all zeros, so the kernel read page 0 for all its context (vllm "
+             "#7003, mixed cached/non-cached batch): fill every row of the block table for every batch")
+HINT_STALE = ("bind the block tables before the kernel launch (BatchBuilder.build(bind=True), "
+              "BlockTables.bind() before model.forward); assert not BlockTables.is_stale at launch")
+HINT_FREED = ("a page was freed while a live sequence still maps it: a missing or dropped refcount "
+              "(prefix sharing); PagePool.free must free only at ref 0 and every sharer must acquire")
+HINT_REF = ("refcount must equal the number of live page tables that map the page: look for a release "
+            "path that does not decrement, or a share that does not acquire")
+HINT_REUSED = ("the page was handed out again while this request still reads it: its KV now belongs to "
+               "another request (garbage on prefix-cache hits); fix the refcount on the free path")
+
+MAX_PER_CHECK = 8          # findings one check may add (a broken table can have thousands of bad ids)
+
+
+def _ignore(*a, **kw) -> None:
+    pass
+
+
+class _TableTap:
+    """A model-hook tap: calls fn(batch) once per forward, at layer 0 before the KV write."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_kv(self, layer, k, v, batch) -> None:
+        if layer == 0:
+            self.fn(batch)
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):          # the other per-layer hooks (on_hidden, ...): not needed
+            return _ignore
+        raise AttributeError(name)
+
+
+def _host(t) -> np.ndarray:
+    """A host copy of a table the kernel reads (a copy: the buffer is rewritten next bind)."""
+    return t.detach().to("cpu").numpy().astype(np.int64)
+
+
+class PageTableProbe(Probe):
+    name = "page_table"
+    description = "block-table bounds, stale binding, zero rows; pool scan: free-while-mapped, refcount, reuse"
+
+    def __init__(self, every: int = 1, max_rows: int = 100_000, **params: Any):
+        super().__init__(every=every, max_rows=max_rows, **params)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.every, self.max_rows = every, max_rows
+        self._tap = _TableTap(self.guard(self.check_table))
+        self._batch = None           # the batch of the forward in flight, and the table it reads
+        self._read: np.ndarray | None = None
+        self._stale_step = None
+        self.tables_checked = 0
+        self.scans = 0
+
+    # ---- wiring ------------------------------------------------------------
+    def on_attach(self, engine) -> None:
+        self.listen(AttentionRead, self.on_read)
+        self.listen(PagesFreed, self.on_freed)
+        self.listen(StepFinished, self.on_step)
+        instrumentation.add_tap(engine, self._tap)
+
+    def on_detach(self, engine) -> None:
+        instrumentation.remove_tap(engine, self._tap)
+        self._batch = self._read = None
+
+    def _row(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) > self.max_rows:          # a probe must not become the leak it hunts
+            del self.rows[: len(self.rows) // 2]
+
+    # ---- per forward: the table the kernel reads -------------------------------
+    def check_table(self, batch) -> None:
+        step = self.engine.step_count
+        n = self.engine.pool.num_pages
+        a = _host(batch.block_tables)
+        self._batch, self._read = batch, a
+        self.tables_checked += 1
+        if a.size == 0:
+            return
+        need = -(-batch.context_lens_np.astype(np.int64) // batch.page_size)      # pages each row maps
+        cols = np.arange(a.shape[1])[None, :] < need[:, None]
+        bad = ((a < 0) | (a >= n)) & cols
+        if bad.any():
+            for r, c in np.argwhere(bad)[:MAX_PER_CHECK]:
+                seq = batch.seqs[r]
+                pid = int(a[r, c])
+                meant = seq.pages[c] if c < len(seq.pages) else None
+                self.report(
+                    "critical", f"request {seq.request_id}: block table row {r}, column {c} holds page {pid}, "
+                                f"outside the pool [0, {n}) (the page table says {meant})",
+                    hint=HINT_RANGE, kind="page-out-of-range", dedup=("page-out-of-range", seq.request_id, pid),
+                    step=step, request_id=seq.request_id, page=pid,
+                    evidence={"row": int(r), "column": int(c), "page_read": pid, "page_meant": meant,
+                              "num_pages": n, "table_rows": int(a.shape[0]), "table_width": int(a.shape[1])})
+        # A row that reads its context from pages (not a whole-prompt prefill) but holds only zeros.
+        reads = batch.context_lens_np > batch.query_lens_np
+        zero = reads & ~((a != 0) & cols).any(axis=1)
+        for r in np.nonzero(zero)[0][:MAX_PER_CHECK]:
+            seq = batch.seqs[r]
+            meant = seq.pages[: int(need[r])]
+            if any(p != 0 for p in meant):
+                self.report(
+                    "error", f"request {seq.request_id}: its block table row is all zeros, it maps pages "
+                             f"{meant[:8]}", hint=HINT_ZERO, kind="zero-row",
+                    dedup=("zero-row", seq.request_id), step=step, request_id=seq.request_id,
+                    page=int(next(p for p in meant if p != 0)),
+                    evidence={"row": int(r), "pages_meant": list(meant[:64]),
+                              "context_len": int(batch.context_lens_np[r])})
+
+    # ---- per layer: the version the kernel read ---------------------------------
+    def on_read(self, e: AttentionRead) -> None:
+        bt = self.engine.builder.block_tables
+        if e.block_table_version == bt.host_version or self._stale_step == e.step:
+            return
+        self._stale_step = e.step           # every layer reads the same table: one check per step
+        ev = {"version_read": e.block_table_version, "version_current": bt.host_version,
+              "checksum_read": e.block_table_checksum, "checksum_current": bt.host_checksum, "layer": e.layer}
+        batch, a = self._batch, self._read
+        if batch is None or a is None:
+            self.report("error", f"the kernel read block-table version {e.block_table_version}, "
+                                 f"{bt.host_version} is current", hint=HINT_STALE, kind="stale-binding",
+                        dedup=("stale-binding", e.step), step=e.step, evidence=ev)
+            return
+        ev["batch_version"] = batch.block_tables_version
+        ps = batch.page_size
+        need = -(-batch.context_lens_np.astype(np.int64) // ps)
+        meant = np.zeros_like(a)
+        for i, s in enumerate(batch.seqs):
+            k = min(int(need[i]), len(s.pages), a.shape[1])
+            meant[i, :k] = s.pages[:k]
+        cols = np.arange(a.shape[1])[None, :] < need[:, None]
+        reads = batch.context_lens_np > batch.query_lens_np
+        wrong = (a != meant) & cols & reads[:, None]
+        ev["checksum_rows_read"] = zlib.crc32(a.astype(np.int32).tobytes())
+        ev["checksum_rows_meant"] = zlib.crc32(meant.astype(np.int32).tobytes())
+        rows = np.nonzero(wrong.any(axis=1))[0]
+        if len(rows) == 0:
+            self.report("warn", f"the kernel read block-table version {e.block_table_version} while "
+                                f"{bt.host_version} is current; the rows it read still match the page table, "
+                                f"so this step is right by luck", hint=HINT_STALE, kind="stale-binding",
+                        dedup=("stale-binding-latent",), step=e.step, evidence=ev)
+            return
+        for r in rows[:MAX_PER_CHECK]:
+            c = int(np.nonzero(wrong[r])[0][0])
+            seq = batch.seqs[r]
+            got, want = int(a[r, c]), int(meant[r, c])
+            self.report(
+                "error", f"request {seq.request_id}: the kernel read block-table version "
+                         f"{e.block_table_version}, {bt.host_version} is current; column {c} read page {got}, "
+                         f"the page table says {want}", hint=HINT_STALE, kind="stale-binding",
+                dedup=("stale-binding", seq.request_id, want), step=e.step, request_id=seq.request_id,
+                page=want, evidence={**ev, "row": int(r), "column": c, "page_read": got, "page_meant": want,
+                                     "row_read": a[r, : int(need[r])].tolist(),
+                                     "row_meant": meant[r, : int(need[r])].tolist()})
+
+    # ---- pool events ---------------------------------------------------------------
+    def on_freed(self, e: PagesFreed) -> None:
+        freed = set(e.pages)
+        hits = 0
+        for s in self.engine.live_sequences():
+            for j, p in enumerate(s.pages):
+                if p in freed and hits < MAX_PER_CHECK:
+                    hits += 1
+                    self._report_free_while_mapped(s, j, p, e.step, "freed")
+
+    def _report_free_while_mapped(self, seq, j: int, p: int, step: int, how: str) -> None:
+        self.report(
+            "error", f"request {seq.request_id}: page {p} (its page {j}) was {how} while the request still "
+                     f"maps it", hint=HINT_FREED, kind="free-while-mapped",
+            dedup=("free-while-mapped", seq.request_id, p), step=step, request_id=seq.request_id, page=p,
+            evidence={"page_index": j, "refcount": self.engine.pool.ref[p], "pages": list(seq.pages[:64])})
+
+    # ---- every `every` steps: live page tables against the pool ---------------------
+    def on_step(self, e: StepFinished) -> None:
+        if e.step % self.every == 0:
+            self.scan(e.step)
+
+    def scan(self, step: int | None = None) -> dict:
+        """Check every live page table against the pool now; returns the counts (also a frame() row)."""
+        t0 = time.perf_counter_ns()
+        eng = self.engine
+        step = eng.step_count if step is None else step
+        pool = eng.pool
+        n = pool.num_pages
+        live = [s for s in eng.live_sequences() if s.pages]
+        lens = np.fromiter((len(s.pages) for s in live), np.int64, len(live))
+        pages = np.fromiter(chain.from_iterable(s.pages for s in live), np.int64, int(lens.sum()))
+        owner = np.repeat(np.arange(len(live)), lens)
+        inside = (pages >= 0) & (pages < n)
+        ref = np.asarray(pool.ref, dtype=np.int64)
+        gen = np.asarray(pool.generation, dtype=np.int64)
+        counts = np.bincount(pages[inside], minlength=n)
+        budget = [MAX_PER_CHECK]
+
+        def report(*a, **kw):
+            if budget[0] > 0 and self.report(*a, **kw) is not None:
+                budget[0] -= 1
+
+        for k in np.nonzero(~inside)[0][:MAX_PER_CHECK]:
+            s, p = live[owner[k]], int(pages[k])
+            report("critical", f"request {s.request_id}: its page table holds page {p}, outside the pool [0, {n})",
+                   hint=HINT_RANGE, kind="page-out-of-range", dedup=("page-out-of-range", s.request_id, p),
+                   step=step, request_id=s.request_id, page=p, evidence={"num_pages": n})
+        # Mapped but free.
+        mapped_free = [k for k in np.nonzero(inside)[0] if pool.is_free(int(pages[k]))]
+        for k in mapped_free[:MAX_PER_CHECK]:
+            s = live[owner[k]]
+            j = int(k - np.searchsorted(owner, owner[k]))
+            if budget[0] > 0:
+                budget[0] -= 1
+                self._report_free_while_mapped(s, j, int(pages[k]), step, "found free in the pool")
+        # Reused under a live sequence: the generation moved since the sequence took the page.
+        gens_ok = all(len(s.page_generations) == len(s.pages) for s in live)
+        reused = np.zeros(0, dtype=np.int64)
+        if gens_ok and len(pages):
+            had = np.fromiter(chain.from_iterable(s.page_generations for s in live), np.int64, len(pages))
+            now = np.where(inside, gen[np.where(inside, pages, 0)], had)
+            reused = np.nonzero(now != had)[0]
+            for k in reused[:MAX_PER_CHECK]:
+                s, p = live[owner[k]], int(pages[k])
+                j = int(k - np.searchsorted(owner, owner[k]))
+                report("error", f"request {s.request_id}: page {p} (its page {j}) was handed out again while "
+                                f"the request still maps it (generation {had[k]} -> {now[k]}); it now reads "
+                                f"another request's KV", hint=HINT_REUSED, kind="page-reused",
+                       dedup=("page-reused", s.request_id, p, int(now[k])), step=step, request_id=s.request_id,
+                       page=p, evidence={"page_index": j, "generation_mapped": int(had[k]),
+                                         "generation_now": int(now[k]), "refcount": int(ref[p])})
+        # Refcount vs the number of live tables mapping the page.
+        missing = np.nonzero(counts > ref)[0]
+        leaked = np.nonzero(counts < ref)[0]
+        for p in missing[:MAX_PER_CHECK]:
+            users = [live[o].request_id for o in np.unique(owner[pages == p])]
+            report("error", f"page {p}: refcount {ref[p]} but live page tables map it {counts[p]} times "
+                            f"(requests {users[:8]}): a reference is missing", hint=HINT_REF, kind="refcount",
+                   dedup=("refcount", int(p), int(counts[p]), int(ref[p])), step=step,
+                   request_id=users[0] if users else None, page=int(p),
+                   evidence={"refcount": int(ref[p]), "mapped_by": int(counts[p]), "requests": users[:64]})
+        for p in leaked[:MAX_PER_CHECK]:
+            report("warn", f"page {p}: refcount {ref[p]} but live page tables map it only {counts[p]} times: "
+                           f"a leaked reference (the page never returns to the pool)", hint=HINT_REF,
+                   kind="refcount", dedup=("refcount", int(p), int(counts[p]), int(ref[p])), step=step,
+                   page=int(p), evidence={"refcount": int(ref[p]), "mapped_by": int(counts[p])})
+        self.scans += 1
+        row = {"step": step, "live_seqs": len(live), "mapped_pages": int(len(pages)),
+               "shared_pages": int((counts > 1).sum()), "free_pages": pool.num_free,
+               "out_of_range": int((~inside).sum()), "free_while_mapped": len(mapped_free),
+               "reused": int(len(reused)), "refcount_missing": int(len(missing)),
+               "refcount_leaked": int(len(leaked)), "scan_us": (time.perf_counter_ns() - t0) / 1e3}
+        self._row(row)
+        return row

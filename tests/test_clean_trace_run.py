@@ -1,0 +1,35 @@
+"""A clean run of 200 production requests with every probe on must stay silent.
+
+The first 200 requests of the Azure LLM code trace (their arrival order and lengths,
+prompt and output lengths scaled to fit a 2-core CPU) through SmolLM2.
+"""
+from pathlib import Path
+
+import pytest
+
+import probes
+from workbench import Engine, EngineConfig, Workbench
+from workbench.trace import read_trace
+from workbench.trace.replay import replay_full
+
+AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code" / "AzureLLMInferenceTrace_code.csv"
+
+
+@pytest.mark.skipif(not AZURE.exists(), reason="../shared/traces not present")
+def test_clean_trace_run_has_no_findings(smollm2_path):
+    engine = Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=1024, max_num_seqs=32,
+                                                               max_num_batched_tokens=1024))
+    wb = Workbench(engine).attach()
+    assert sorted(wb.probes) == sorted(probes.PROBES), "every probe must attach"
+    trace = read_trace(AZURE)[:200]
+    res = replay_full(trace, engine, time_scale=0.05, length_scale=1 / 48, max_output_len=6, workbench=wb)
+    assert len(res.requests) == 200 and not res.rejected
+    assert (res.requests["output_len"] >= 1).all()
+    loud = wb.findings[wb.findings["severity"].isin(["warn", "error", "critical"])]
+    assert loud.empty, loud[["probe", "kind", "severity", "step", "message"]].to_string()
+    # every probe saw the run (cu_seqlens keeps rows for violations only: count its checks)
+    assert wb.probe("cu_seqlens").batches_checked == int((res.steps.num_tokens > 0).sum())
+    for name, p in wb.probes.items():
+        assert not p.frame().empty or name in ("lock_contention", "cu_seqlens"), f"probe {name} recorded nothing"
+    wb.detach()
+    assert engine.pool.observer is None and engine.model.hooks is None

@@ -1,0 +1,268 @@
+"""Locks: the wait-for graph on real threads, the watchdog, lock_storm and lock_inversion end to end."""
+import threading
+import time
+
+import pytest
+import torch
+
+from probes.lock_contention import LockContentionProbe
+from workbench import ConfigError, Engine, EngineConfig, SamplingParams, faults
+from workbench.events import EventBus, LockWaited
+from workbench.locks import InstrumentedLock, find_cycle, wait_for_graph
+from workbench.watchdog import Watchdog
+
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(20 + 5 * i)] for i in range(8)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+BOUND_S = 30.0          # upper bound for anything that waits on another thread; never a timing assert
+
+
+def _until(cond, bound=BOUND_S):
+    end = time.monotonic() + bound
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _engine(tiny_llama_dir, **kw):
+    return Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=256, **kw))
+
+
+# ---- the wait-for graph ---------------------------------------------------------------
+def test_wait_for_graph_finds_a_real_deadlock_and_not_the_thread_behind_it():
+    x, y = InstrumentedLock("x"), InstrumentedLock("y")
+    both, broken = threading.Barrier(2), threading.Event()
+
+    def t1():
+        with x:
+            both.wait()
+            with y:                      # y is held by T2: blocks
+                pass
+
+    def t2():
+        y.acquire()
+        both.wait()
+        x.acquire()                      # x is held by T1: blocks -> deadlock
+        x.release()
+        if not broken.is_set():
+            y.release()
+
+    a = threading.Thread(target=t1, name="T1", daemon=True)
+    b = threading.Thread(target=t2, name="T2", daemon=True)
+    a.start(), b.start()
+    assert _until(lambda: a.ident in y.waiters and b.ident in x.waiters)
+    c = threading.Thread(target=lambda: (x.acquire(), x.release()), name="T3", daemon=True)
+    c.start()
+    assert _until(lambda: c.ident in x.waiters)
+
+    edges = wait_for_graph([x, y])
+    got = {(e.waiter_name, e.lock, e.holder_name) for e in edges}
+    assert got == {("T1", "y", "T2"), ("T2", "x", "T1"), ("T3", "x", "T1")}
+    cycle = find_cycle(edges)
+    assert {e.waiter_name for e in cycle} == {"T1", "T2"} and {e.lock for e in cycle} == {"x", "y"}
+    for e, nxt in zip(cycle, cycle[1:] + cycle[:1]):
+        assert e.holder == nxt.waiter                     # a closed walk waiter -> lock -> holder
+    assert all(e.waited_s >= 0 and e.held_s is not None for e in cycle)
+
+    broken.set()
+    y.release()                           # on T2's behalf: T1 gets y, finishes, lets x go
+    for t in (a, b, c):
+        t.join(BOUND_S)
+        assert not t.is_alive()
+    assert wait_for_graph([x, y]) == [] and find_cycle(wait_for_graph([x, y])) == []
+    assert not x.locked() and not y.locked()
+
+
+def test_a_wait_chain_is_not_a_cycle():
+    a = InstrumentedLock("a")
+    go = threading.Event()
+
+    def holder():
+        with a:
+            go.wait(BOUND_S)
+
+    h = threading.Thread(target=holder, name="holder", daemon=True)
+    h.start()
+    assert _until(lambda: a.holder == h.ident)
+    w = threading.Thread(target=lambda: (a.acquire(), a.release()), name="waiter", daemon=True)
+    w.start()
+    assert _until(lambda: w.ident in a.waiters)
+    edges = wait_for_graph([a])
+    assert [(e.waiter_name, e.lock, e.holder_name) for e in edges] == [("waiter", "a", "holder")]
+    assert edges[0].holder == h.ident and edges[0].waited_s >= 0 and find_cycle(edges) == []
+    go.set()
+    h.join(BOUND_S), w.join(BOUND_S)
+    assert not h.is_alive() and not w.is_alive() and a.num_contended == 1 and a.num_acquires == 2
+
+
+def test_uncontended_acquires_report_zero_wait_contended_ones_more():
+    bus, seen = EventBus(), []
+    bus.subscribe(LockWaited, seen.append)
+    lk = InstrumentedLock("l", bus)
+    with lk:
+        pass
+    assert seen[-1].wait_ns == 0 and "test_locks.py" in seen[-1].site
+    hold = threading.Event()
+    t = threading.Thread(target=lambda: (lk.acquire(), hold.wait(BOUND_S), lk.release()), daemon=True)
+    lk.acquire()
+    t.start()
+    assert _until(lambda: t.ident in lk.waiters)
+    lk.release()
+    assert _until(lambda: lk.holder == t.ident)
+    hold.set()
+    t.join(BOUND_S)
+    assert seen[-1].wait_ns > 0 and lk.num_contended == 1
+
+
+# ---- config and the sharded engine ------------------------------------------------------
+def test_page_table_lock_config(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="page_table_lock"):
+        EngineConfig(page_table_lock="per-request")
+    g = _engine(tiny_llama_dir)
+    assert g.table_lock(0) is g.lock and g.table_lock(5) is g.lock and not g.table_locks
+    s = _engine(tiny_llama_dir, page_table_lock="sharded")
+    shards = {id(s.table_lock(i)) for i in range(4)}
+    assert len(shards) == 4 and id(s.lock) not in shards
+
+
+@pytest.mark.parametrize("mode", ["global", "sharded"])
+def test_stats_reader_vs_the_step_lock(tiny_llama_dir, mode):
+    eng = _engine(tiny_llama_dir, page_table_lock=mode)
+    eng.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))
+    live = eng._stats(eng.pool)
+    got = {}
+    with eng.lock:                       # the step lock is held (a step in flight)
+        r = threading.Thread(target=lambda: got.setdefault("s", eng.stats()), daemon=True)
+        r.start()
+        r.join(0.5 if mode == "global" else BOUND_S)
+        blocked = r.is_alive()
+    r.join(BOUND_S)
+    assert got["s"] == live              # snapshot or not, the same numbers after the step
+    if mode == "global":
+        assert blocked                   # stats() waited for the step lock
+    else:
+        assert not blocked               # the published snapshot needs no step lock
+
+
+# ---- lock_storm -----------------------------------------------------------------------
+def _run(eng, probe_kw=None):
+    """generate with a fresh probe; returns (outputs, engine wait share on page_table, probe)."""
+    probe = LockContentionProbe(**(probe_kw or {})).attach(eng)
+    outs = eng.generate(PROMPTS, PARAMS)
+    share = probe.wait_share("page_table")
+    probe.detach()                       # flushes the last window and stops the watchdog
+    return outs, share, probe
+
+
+@pytest.fixture()
+def one_torch_thread():
+    # On a loaded 2-core host, two intra-op threads spin against each other and the step's
+    # compute swells tenfold, drowning the lock wait the test measures; restore afterwards.
+    n = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(n)
+
+
+def test_lock_storm_caught_and_sharding_fixes_it(tiny_llama_dir, one_torch_thread):
+    eng = _engine(tiny_llama_dir, num_threads=one_torch_thread)
+    eng.generate(PROMPTS[:2], PARAMS)    # warm-up
+    ref, off_share, off = _run(eng)
+    assert not [f for f in off.findings if f.at_least("warn")]
+    assert off_share < 0.05
+
+    with faults.inject(eng, "lock_storm") as storm:
+        outs, on_share, on = _run(eng)
+    assert storm.updates > 0 and storm.scrapes > 0
+    assert not [t for t in threading.enumerate() if t.name.startswith(("stream-", "metrics-"))]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]     # requests untouched: only slower
+    assert on_share > 0.30 and on_share > 5 * off_share
+    errs = [f for f in on.findings if f.at_least("error")]
+    assert errs and errs[0].lock == "page_table" and "page_table" in errs[0].message
+    assert "lock_storm.py" in errs[0].message                     # the top contending call site
+    assert "page_table_lock='sharded'" in errs[0].hint
+    df = on.frame()
+    storm_rows = df[(df.lock == "page_table") & df.site.str.contains("lock_storm.py")]
+    step_rows = df[(df.lock == "page_table") & df.site.str.contains("engine.py")]
+    assert len(storm_rows) == 1 and storm_rows.contention_ratio.iloc[0] > 0.5
+    assert (step_rows["count"] > 0).all() and step_rows.contended.sum() > 0
+    w = df[df["count"] > 0]              # (a hold begun before attach has no wait sample)
+    assert (w.wait_max_ms >= w.wait_p99_ms).all() and (w.wait_p99_ms >= w.wait_p50_ms).all()
+
+    sharded = _engine(tiny_llama_dir, page_table_lock="sharded", num_threads=one_torch_thread)
+    sharded.generate(PROMPTS[:2], PARAMS)
+    with faults.inject(sharded, "lock_storm") as storm2:
+        outs2, fixed_share, fixed = _run(sharded)
+    assert storm2.updates > 0 and storm2.scrapes > 0
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in ref]
+    assert fixed_share < 0.05 and fixed_share < on_share / 5
+    assert not [f for f in fixed.findings if f.at_least("warn")]
+    shard_rows = fixed.frame()
+    assert shard_rows.lock.str.startswith("page_table[").any()     # the storm went to its shards
+
+
+# ---- the watchdog and lock_inversion -------------------------------------------------------
+def _step_in_thread(eng):
+    box = {}
+
+    def run():
+        try:
+            box["out"] = eng.step()
+        except BaseException as e:       # noqa: BLE001 - surfaced by the test
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="engine", daemon=True)
+    t.start()
+    return t, box
+
+
+def test_watchdog_names_the_lock_holder_of_a_stalled_step(tiny_llama_dir):
+    eng = _engine(tiny_llama_dir)
+    eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
+    dog = Watchdog(eng, deadline_s=0.3).start()
+    assert dog.thread.daemon and dog.check() is None          # an idle engine is not a stuck one
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.lock.acquire()                   # this thread sits on the page-table lock
+    try:
+        t, box = _step_in_thread(eng)
+        assert _until(lambda: dog.findings)
+        assert t.is_alive()
+    finally:
+        eng.lock.release()
+    t.join(BOUND_S)
+    assert not t.is_alive() and "err" not in box
+    dog.stop()
+    assert not dog.running
+    [f] = dog.findings                    # one finding per stuck step
+    assert f.severity == "critical" and f.kind == "step-stalled" and f.lock == "page_table"
+    assert "'engine'" in f.message and "MainThread" in f.message and f.evidence["cycle"] == []
+    assert any(k.startswith("engine ") and "acquire" in v for k, v in f.evidence["stacks"].items())
+
+
+def test_lock_inversion_hangs_the_step_and_the_watchdog_names_the_cycle(tiny_llama_dir):
+    eng = _engine(tiny_llama_dir)
+    probe = LockContentionProbe(deadline_s=0.5).attach(eng)
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    with faults.inject(eng, "lock_inversion") as fault:
+        assert fault.deadlocked
+        t, box = _step_in_thread(eng)
+        assert _until(lambda: any(f.severity == "critical" for f in probe.findings))
+        assert t.is_alive()              # the step really hangs
+    t.join(BOUND_S)                      # disable() broke the deadlock: the step completes
+    assert not t.is_alive() and "err" not in box and len(box["out"]) == 1
+    [f] = [f for f in probe.findings if f.severity == "critical"]
+    assert f.kind == "deadlock" and f.probe == "lock_contention"
+    for name in ("page_table", "stream_context", "stream-A", "stream-B", "'engine'"):
+        assert name in f.message, name
+    assert set(f.evidence["cycle_locks"]) == {"page_table", "stream_context"}
+    assert set(f.evidence["cycle_threads"]) == {"stream-A", "stream-B"}
+    assert {r["lock"] for r in f.evidence["locks"]} >= {"page_table", "stream_context"}
+    assert any(k.startswith("stream-A ") for k in f.evidence["stacks"])
+    assert "one global order" in f.hint
+    dog = probe.watchdog
+    probe.detach()
+    assert not dog.running and not eng.bus.wants(LockWaited)
+    assert not [x for x in threading.enumerate() if x.name in ("stream-A", "stream-B")]
+    assert not eng.lock.locked()
+    outs = eng.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))   # runs clean after
+    assert all(o.finished for o in outs)

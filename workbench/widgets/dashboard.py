@@ -1,0 +1,289 @@
+"""Dashboard: page map, timelines and findings on one step cursor, live or time-travelling.
+
+Live: it listens to StepFinished and refreshes at most every `min_interval_s` (10 Hz),
+and never spends more than `max_share` of the wall time between refreshes on itself
+(a 20 ms refresh waits 200 ms for the next), so the engine slows no more than that.
+The refresh that the throttle skipped at the end of a run happens when the notebook
+cell finishes (IPython's post_run_cell) or on refresh(force=True).
+
+Time travel: the step slider (with a Play button) moves one cursor; the page map shows
+TimeTravel(log).state_at(step), the timelines draw the cursor line, and a finding picked
+in the table moves the cursor to its step and highlights its pages and layer. While
+following a live engine, the head step shows the live pool (PoolState.from_engine).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import ipywidgets as W
+
+from ..events import StepFinished
+from ..trace.timetravel import PoolState, TimeTravel
+from .findings_table import FindingsTable
+from .page_map import PageMap, live_page_details
+from .timelines import Timelines
+
+
+class Throttle:
+    """Lets a refresh through when min_interval_s has passed since the last one began and
+    the last one's cost is at most max_share of the interval."""
+
+    def __init__(self, min_interval_s: float = 0.1, max_share: float = 0.1, clock: Callable[[], float] = time.perf_counter):
+        self.min_interval_s, self.max_share, self.clock = min_interval_s, max_share, clock
+        self.next_at = float("-inf")
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_at
+
+    def done(self, started: float) -> None:
+        cost = self.clock() - started
+        self.next_at = started + max(self.min_interval_s, cost / self.max_share if self.max_share else 0.0)
+
+
+class Dashboard:
+    def __init__(self, log, num_pages: int, engine=None, probes: dict | Callable[[], dict] | None = None,
+                 findings: Callable[[], Any] | Any = None, live: bool = True, title: str = "PagedKV dashboard",
+                 min_interval_s: float = 0.1, max_share: float = 0.1, clock: Callable[[], float] = time.perf_counter,
+                 map_width: int = 640, map_height: int = 360):
+        import pandas as pd
+        from ..findings import COLUMNS
+        self.log, self.engine, self.num_pages, self.title = log, engine, num_pages, title
+        self.page_map = PageMap(num_pages, width=map_width, max_height=map_height, details=self._details)
+        self.timelines = Timelines(log, probes)
+        self.table = FindingsTable(findings if findings is not None else pd.DataFrame(columns=COLUMNS))
+        self.throttle = Throttle(min_interval_s, max_share, clock)
+        self.refreshes = 0
+        self.skipped = 0
+        self._tt: TimeTravel | None = None
+        self._tt_seq = -1
+        self._highlight: list[int] = []
+        self._quiet = False                      # set while the dashboard itself moves the slider
+        # continuous_update=False: the browser sends a step when the drag ends, never while it
+        # re-lays the slider out for a new max (those echoes would land late and pull the cursor back).
+        self.slider = W.IntSlider(0, min=0, max=0, description="step", continuous_update=False,
+                                  layout=W.Layout(width="520px"))
+        self.slider.add_class("kvwb-step-slider")
+        self.play = W.Play(0, min=0, max=0, interval=150, description="play")
+        # A kernel-side link, not jslink: while a cell runs the engine, the browser's jslink echoes
+        # queue up and land after it, dragging the slider back to an old step.
+        W.link((self.play, "value"), (self.slider, "value"))
+        self.follow = W.ToggleButton(value=False, description="follow live", icon="circle",
+                                     disabled=engine is None)
+        self.status = W.HTML()
+        self.slider.observe(self._on_slider, "value")
+        self.follow.observe(self._on_follow, "value")
+        self.table.on_select.append(self._on_finding)
+        self.timelines.on_cursor.append(self._on_timeline_click)
+        self.widget = W.VBox([W.HTML(f"<b>{title}</b>"), self.status,
+                              W.HBox([self.play, self.slider, self.follow]),
+                              W.HBox([self.page_map, self.table.widget],
+                                     layout=W.Layout(align_items="flex-start", grid_gap="12px")),
+                              self.timelines.fig])
+        self.widget.add_class("kvwb-dashboard")
+        self._subscribed = False
+        self._ip_hook = None
+        if live and engine is not None and hasattr(engine, "bus"):
+            self.start()
+        self.refresh(force=True)
+        if not self.follow.value:                   # a finished run: open at its last step
+            self._quiet = True
+            self.slider.value = self.slider.max
+            self._quiet = False
+            self.show_step(self.slider.value)
+
+    # ---- sources -----------------------------------------------------------------
+    @classmethod
+    def from_workbench(cls, wb, live: bool = True, **kw) -> "Dashboard":
+        if wb.log is None:
+            raise ValueError("the dashboard reads the workbench's EventLog: create it with Workbench(engine, log=True)")
+        return cls(wb.log, wb.engine.pool.num_pages, engine=wb.engine, probes=lambda: wb.probes,
+                   findings=lambda: wb.findings, live=live, **kw)
+
+    @classmethod
+    def from_replay(cls, result, workbench=None, **kw) -> "Dashboard":
+        """A finished replay (ReplayResult): a time-travel view over its log."""
+        if result.log is None:
+            raise ValueError("the replay kept no EventLog: run replay(..., log=True)")
+        engine = result.engine
+        probes = (lambda: workbench.probes) if workbench is not None else None
+        findings = (lambda: workbench.findings) if workbench is not None else result.findings
+        kw.setdefault("title", f"replay ({result.mode})")
+        return cls(result.log, engine.pool.num_pages, engine=engine, probes=probes, findings=findings,
+                   live=False, **kw)
+
+    # ---- live ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Follow the engine: refresh on StepFinished (throttled) and after each notebook cell."""
+        if not self._subscribed:
+            self.engine.bus.subscribe(StepFinished, self._on_step)
+            self._subscribed = True
+            try:
+                from IPython import get_ipython
+                ip = get_ipython()
+            except ImportError:
+                ip = None
+            if ip is not None and self._ip_hook is None:
+                self._ip_hook = lambda *_a: self._safe(self.refresh, True)
+                ip.events.register("post_run_cell", self._ip_hook)
+        self.follow.value = True
+
+    def stop(self) -> None:
+        """Stop following: the view stays, as a time-travel view over what was logged."""
+        if self._subscribed:
+            self.engine.bus.unsubscribe(self._on_step)
+            self._subscribed = False
+        if self._ip_hook is not None:
+            try:
+                from IPython import get_ipython
+                get_ipython().events.unregister("post_run_cell", self._ip_hook)
+            except Exception:
+                pass
+            self._ip_hook = None
+        self.follow.value = False
+        self.refresh(force=True)
+
+    def close(self) -> None:
+        self.stop()
+        self.widget.close()
+
+    def _repr_mimebundle_(self, **kw):
+        return self.widget._repr_mimebundle_(**kw)
+
+    def _safe(self, fn, *a) -> None:
+        try:
+            fn(*a)
+        except Exception as e:                   # a view never raises into the engine or the kernel
+            self.status.value = f"<span style='color:#c00'>dashboard refresh failed: {type(e).__name__}: {e}</span>"
+
+    def _on_step(self, _e: StepFinished) -> None:
+        if not self.throttle.due():
+            self.skipped += 1
+            return
+        self._safe(self.refresh)
+
+    # ---- refresh -----------------------------------------------------------------------
+    def head(self) -> int:
+        """The newest step there is: the engine's, else the log's."""
+        if self.engine is not None and self._subscribed:
+            return int(self.engine.step_count)
+        steps = self.timelines.cols["step"]
+        last = int(steps[-1]) if steps else 0
+        tt = self._time_travel()
+        return max(last, tt.last_step if tt is not None else 0)
+
+    def refresh(self, force: bool = False) -> None:
+        t0 = self.throttle.clock()
+        self.timelines.refresh(force=force)
+        self.table.refresh()
+        head = self.head()
+        self._quiet = True
+        try:
+            with self.slider.hold_sync():
+                self.slider.max = head
+                self.play.max = head
+                if self.follow.value:
+                    self.slider.value = head
+        finally:
+            self._quiet = False
+        if self.follow.value:
+            self.show_step(head)
+        self._status()
+        self.refreshes += 1
+        self.throttle.done(t0)
+
+    def _status(self) -> None:
+        mode = "live" if self.follow.value else "time travel"
+        parts = [f"<b>{mode}</b>", f"step {self.slider.value} of {self.slider.max}"]
+        st = self.page_map.state
+        if st is not None:
+            c = st.counts()
+            parts.append(f"pages: {c['owned']} owned, {c['shared']} shared, {c['cached']} cached, "
+                         f"{c['free']} free of {self.num_pages}")
+        if self.engine is not None and hasattr(self.engine, "scheduler"):
+            parts.append(f"running {len(self.engine.scheduler.running)}, waiting {len(self.engine.scheduler.waiting)}")
+        parts.append(f"{len(self.table.frame)} findings")
+        parts.append(f"refreshes {self.refreshes} (throttled {self.skipped})")
+        self.status.value = "<span style='font-size:12px'>" + " · ".join(parts) + "</span>"
+
+    # ---- the cursor --------------------------------------------------------------------
+    def _time_travel(self) -> TimeTravel | None:
+        if self.log is None:
+            return None
+        if self._tt is None or self._tt_seq != self.log.seq:
+            self._tt_seq = self.log.seq
+            self._tt = TimeTravel(self.log, self.num_pages)
+        return self._tt
+
+    def state_at(self, step: int) -> PoolState:
+        eng = self.engine
+        if eng is not None and step >= eng.step_count and hasattr(eng, "scheduler"):
+            return PoolState.from_engine(eng)              # the head: the live pool itself
+        tt = self._time_travel()
+        return tt.state_at(step) if tt is not None else PoolState.empty(self.num_pages, step)
+
+    def show_step(self, step: int) -> None:
+        """Draw every view at `step`."""
+        self.page_map.show(self.state_at(step), highlight=self._highlight)
+        self.timelines.set_cursor(step)
+
+    def _on_slider(self, change) -> None:
+        if self._quiet:
+            return
+        step = change["new"]
+        if self.follow.value and step < self.head():
+            self._quiet = True                              # the user scrubbed back: stop following
+            self.follow.value = False
+            self._quiet = False
+        self._safe(self.show_step, step)
+        self._status()
+
+    def _on_follow(self, change) -> None:
+        if self._quiet:
+            return
+        if change["new"]:
+            self._safe(self.refresh, True)
+        self._status()
+
+    def goto(self, step: int) -> None:
+        """Move the cursor (as the slider does)."""
+        self.slider.value = max(self.slider.min, min(int(step), self.slider.max))
+
+    def _on_timeline_click(self, step: int) -> None:
+        self.follow.value = False
+        self.goto(step)
+
+    def _on_finding(self, row: dict) -> None:
+        self._highlight = list(row.get("pages") or [])
+        layer = row.get("layer")
+        layer = None if layer is None or layer != layer else int(layer)
+        self.timelines.layer = layer
+        self.follow.value = False
+        step = row.get("step")
+        if step is not None and step == step:
+            step = max(self.slider.min, min(int(step), self.slider.max))
+            if step != self.slider.value:
+                self.slider.value = step                    # -> show_step, with the highlight
+                return
+        self._safe(self.show_step, self.slider.value)
+
+    # ---- per-page details (asked for by the page map on hover/click) -------------------
+    def _details(self, page: int) -> dict:
+        st, eng = self.page_map.state, self.engine
+        if eng is not None and st is not None and st.step >= eng.step_count and hasattr(eng, "pool"):
+            return live_page_details(eng, page)
+        tt = self._time_travel()
+        gen = 0
+        if tt is not None and st is not None:
+            gen = sum(1 for ev in tt.events if ev[1] <= st.step and ev[2] == "allocated" and page in ev[3])
+        return {"generation": gen, "note": "fill and prefix hash are kept for the live step only"}
+
+    # ---- export ---------------------------------------------------------------------------
+    def to_html(self, path: str | None = None, **kw) -> str:
+        """One self-contained HTML file of these views (no CDN); returns the HTML."""
+        from .static_html import dashboard_html
+        text = dashboard_html(self, **kw)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
