@@ -28,7 +28,7 @@ KERNEL_SPEC   := $(VENV)/share/jupyter/kernels/$(KERNEL_NAME)/kernel.json
 # JupyterLab refuses to run as root unless told
 ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: venv test lab bench doctor clean distclean help browser
+.PHONY: venv test test-ui lab bench doctor clean distclean help browser
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -59,6 +59,10 @@ test: $(STAMP) browser
 	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; exit 0; fi; \
 	exit $$rc
+
+# notebooks executed top to bottom and the Chromium dashboard test (marker `ui`)
+test-ui: $(STAMP) browser
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -m ui $(PYTEST_ARGS)
 
 $(KERNEL_SPEC): $(STAMP)
 	$(PYTHON) -m ipykernel install --sys-prefix --name $(KERNEL_NAME) --display-name "PagedKV Workbench"

@@ -43,7 +43,7 @@ pd.set_option("display.max_colwidth", 160)
 
 QUESTIONS = """
 questions = ["What is the capital of France?", "Name three primary colours.",
-             "Write one sentence about the sea.", "What is 12 times 12?",
+             "Write one sentence about the sea.", "What is the largest ocean on Earth?",
              "What colour is the sky on a clear day?", "Give me a synonym for happy."]
 prompts = [[{"role": "user", "content": q}] for q in questions]
 """
@@ -78,7 +78,9 @@ only symptom is time.
         code(catalogue_row("lock_storm")),
         md(f"""
 ## 1. The engine and a healthy baseline
-The default model, SmolLM2-135M-Instruct, with the default `page_table_lock="global"`. {ENGINE_NOTE}
+The default model, SmolLM2-135M-Instruct, with the default `page_table_lock="global"`.
+
+{ENGINE_NOTE}
 """),
         code("""
 engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1))
@@ -97,7 +99,7 @@ The lock probe (`lock_contention`) measures every wait for and hold of every ins
 each step the engine thread spent waiting. A healthy run waits for nothing.
 """),
         code("""
-wb_clean = Workbench(engine).attach("lock_contention")
+wb_clean = Workbench(engine, log=False).attach("lock_contention")   # no event log: the probe keeps its own rows
 clean_outs, clean_s = timed_generate(engine)
 clean_share = wb_clean.probe("lock_contention").wait_share()
 for q, o in zip(questions, clean_outs):
@@ -114,7 +116,7 @@ that each update their page table under `engine.table_lock(stream)` and keep the
 copy, plus two `stats()` scrapers. With the global lock, all of them queue on the lock the engine's step needs.
 """),
         code("""
-wb = Workbench(engine).attach("lock_contention")
+wb = Workbench(engine, log=False).attach("lock_contention")
 with faults.inject(engine, "lock_storm", submitters=16) as storm:
     storm_outs, storm_s = timed_generate(engine)       # runs to completion inside the with-block
 probe = wb.probe("lock_contention")
@@ -153,7 +155,8 @@ engine's own critical sections in `engine.py`. Right: each step's time split int
 working (`probe.steps_frame()`).
 """),
         code("""
-probe.frame()[["lock", "site", "count", "contended", "wait_p50_ms", "wait_p99_ms", "hold_p50_ms", "hold_total_ms"]].round(2)
+cols = ["lock", "site", "count", "contended", "wait_p50_ms", "wait_p99_ms", "hold_p50_ms", "hold_total_ms"]
+probe.frame()[cols].round(2)
 """),
         code("""
 probe.widget()
@@ -181,7 +184,7 @@ fixed = Engine.from_default(EngineConfig(num_pages=256, num_threads=1, page_tabl
 fixed.tokenizer = engine.tokenizer         # the same model file: reuse the tokenizer already loaded
 fixed.generate(["Hello"], SamplingParams(max_tokens=1))
 
-wb_fixed = Workbench(fixed).attach("lock_contention")
+wb_fixed = Workbench(fixed, log=False).attach("lock_contention")
 with faults.inject(fixed, "lock_storm", submitters=16) as storm_fixed:
     fixed_outs, fixed_s = timed_generate(fixed)
 fixed_probe = wb_fixed.probe("lock_contention")
@@ -250,12 +253,17 @@ from workbench.locks import InstrumentedLock
         code(catalogue_row("lock_inversion")),
         md(f"""
 ## 1. The engine, the probe and the first requests
-SmolLM2-135M-Instruct. {ENGINE_NOTE} The probe's watchdog reports any step that runs past `deadline_s` (5 s
+SmolLM2-135M-Instruct.
+
+{ENGINE_NOTE}
+
+The probe's watchdog reports any step that runs past `deadline_s` (5 s
 here: far above a healthy step on this model, short enough to wait for).
 """),
         code("""
 engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1))
-wb = Workbench(engine).attach("lock_contention", lock_contention={"deadline_s": 5.0})
+# No event log needed here: the probe keeps its own rows.
+wb = Workbench(engine, log=False).attach("lock_contention", lock_contention={"deadline_s": 5.0})
 params = SamplingParams(max_tokens=16, temperature=0.0)
 
 first = ["What is the capital of France?", "Name three primary colours."]
@@ -270,7 +278,7 @@ The engine steps on its own thread (as a server's loop would). With the fault on
 takes `page_table` with the default global lock, so it would hang too.
 """),
         code("""
-late = ["What is 12 times 12?", "What colour is the sky on a clear day?", "Give me a synonym for happy.",
+late = ["What is the largest ocean on Earth?", "What colour is the sky on a clear day?", "Give me a synonym for happy.",
         "Write one sentence about the sea.", "How many legs does a spider have?", "Name a large planet."]
 late_ids = [engine.add_request([{"role": "user", "content": q}], params) for q in late]
 box = {}
@@ -434,15 +442,17 @@ import gc
         code(catalogue_row("buffer_leak")),
         md(f"""
 ## 1. The engine and a healthy baseline
-SmolLM2-135M-Instruct with a large step token budget (`max_num_batched_tokens=16384`), so each step's metadata
-workspace is ~0.5 MB, as a runtime sized for long prompts allocates it: the leak shows in seconds rather than
-hours. {ENGINE_NOTE}
+SmolLM2-135M-Instruct with a large step token budget (`max_num_batched_tokens=32768`), so each step's metadata
+workspace is ~0.9 MB, as a runtime sized for long prompts allocates it: the leak shows in seconds rather than
+hours.
+
+{ENGINE_NOTE}
 
 The leak probe samples memory every step here (`every=1`; production default: every 16th) and wants 16 samples
 of steady growth.
 """),
         code("""
-engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1, max_num_batched_tokens=16384))
+engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1, max_num_batched_tokens=32768))
 questions = ["What is the capital of France?", "Write a short poem about the sea.",
              "Name three primary colours.", "Explain in two sentences why the sky is blue."]
 prompts = [[{"role": "user", "content": q}] for q in questions]
@@ -450,7 +460,7 @@ params = SamplingParams(max_tokens=28, temperature=0.0)
 engine.generate(prompts, SamplingParams(max_tokens=4))        # loads the tokenizer, warms up the shapes
 
 LEAK = dict(every=1, window=16, min_growth_bytes=4 << 20, retain_window=16, census_every=8, min_tensor_growth=32)
-wb = Workbench(engine).attach("leak", leak=LEAK)
+wb = Workbench(engine, log=False).attach("leak", leak=LEAK)     # no event log: it would grow too
 clean_outs = engine.generate(prompts, params)
 for q, o in zip(questions, clean_outs):
     print(f"Q: {q}\\nA: {o.text.strip()}\\n")
@@ -502,8 +512,8 @@ per-step tensors, step by step (`wb.probe("leak").frame()`).
 def memory_view(frames):
     rows = []
     for phase, df in frames.items():
-        rows.append(pd.DataFrame({"step": df["step"], "phase": phase,
-                                  "RssAnon + VmSwap growth (MiB)": (df["host_bytes"] - df["host_bytes"].iloc[0]) / 2**20,
+        growth = (df["host_bytes"] - df["host_bytes"].iloc[0]) / 2**20
+        rows.append(pd.DataFrame({"step": df["step"], "phase": phase, "RssAnon + VmSwap growth (MiB)": growth,
                                   "retained per-step tensors (MiB)": df["retained_bytes"] / 2**20}))
     long = pd.concat(rows).melt(id_vars=["step", "phase"], var_name="series", value_name="MiB")
     return px.line(long, x="step", y="MiB", color="series", line_dash="phase", markers=True,
@@ -582,20 +592,25 @@ attention runs the generic fallback. The bandwidth probe's config check names it
         code(catalogue_row("slow_page_size")),
         md(f"""
 ## 1. The engine and a healthy baseline
-SmolLM2-135M-Instruct with 16-token pages. {ENGINE_NOTE} Three short questions and one long one (a pasted
-paragraph to summarise), so attention has real context to read.
+SmolLM2-135M-Instruct with 16-token pages.
+
+{ENGINE_NOTE}
+
+Three short questions and one long one (a pasted
+text of about 500 tokens to summarise), so attention has real context to read.
 
 Time is measured two ways: wall clock, and this process's CPU time (one torch thread, so CPU time is the work
 done, whatever else the machine is running).
 """),
         code(PARAGRAPH + """
-questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
-             "Summarise in one sentence: " + paragraph * 6]
+questions = ["What is the capital of France?", "Name three primary colours.", "What is the largest ocean on Earth?",
+             "Summarise in one sentence: " + paragraph * 10]
 prompts = [[{"role": "user", "content": q}] for q in questions]
 params = SamplingParams(max_tokens=24, temperature=0.0)
 
-engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1))
-engine.generate(["Hello"], SamplingParams(max_tokens=1))      # loads the tokenizer, warms up
+# No prefix cache: every run below does the same work, none reuses the pages of the one before.
+engine = Engine.from_default(EngineConfig(num_pages=256, num_threads=1, enable_prefix_caching=False))
+engine.generate(prompts, SamplingParams(max_tokens=2))       # loads the tokenizer, warms up these shapes
 
 
 def timed_generate():
@@ -604,7 +619,7 @@ def timed_generate():
     return outs, time.perf_counter() - t0, time.process_time() - c0
 
 
-wb = Workbench(engine).attach("bandwidth")
+wb = Workbench(engine, log=False).attach("bandwidth")          # no event log: the probe keeps its own rows
 clean_outs, clean_s, clean_cpu = timed_generate()
 clean = wb.probe("bandwidth").frame()
 clean_findings = wb.findings_at_least("warn")
@@ -654,8 +669,8 @@ print("\\nhint:", caught[0].hint)
 """),
         md("""
 ## 4. The view: step time, before and after
-Every step of both runs (`wb.probe("bandwidth").frame()`): the prefill step with the long prompt and every decode
-step take longer on the fallback, and decode steps reach a smaller share of the memory-bandwidth roof.
+Every step of both runs (`wb.probe("bandwidth").frame()`): step for step the fallback is slower, and its decode
+steps reach a smaller share of the memory-bandwidth roof.
 """),
         code("""
 both = pd.concat([clean.assign(run="page_size 16", i=range(len(clean))),
@@ -688,7 +703,7 @@ except ConfigError as e:
 print(rejected)
 """),
         md("""
-Leaving the with-block put the engine back on its 16-token pool (prefix cache included). The same requests again:
+Leaving the with-block put the engine back on its 16-token pool and the paged kernel. The same requests again:
 """),
         code("""
 wb.reset()
@@ -700,8 +715,8 @@ wb.findings
         md("""
 ## 7. Checks
 The page size is caught as an error naming `page_size=12` and the fallback, with the supported sizes as the
-hint; the fallback really costs more work (CPU time, one thread: a large effect, not a close timing); the fixed
-engine is back on the paged kernel and the probe is silent.
+hint; the fallback really does more work (bytes it counted; CPU time of one thread, a large effect rather than a
+close timing); the fixed engine is back on the paged kernel and the probe is silent.
 """),
         code("""
 assert not clean_findings, clean_findings
@@ -711,7 +726,8 @@ f = caught[0]
 assert f.probe == "bandwidth" and f.kind == "page-size"
 assert "page_size=12" in f.message and "torch-fallback" in f.message and "16, 32, 64 or 128" in f.hint
 assert [o.text for o in slow_outs] == [o.text for o in clean_outs]
-assert slow_cpu > 1.3 * clean_cpu, (slow_cpu, clean_cpu)
+assert gathered > 1.5 * clean["bytes_kv_read"].sum()          # counted bytes, not time
+assert slow_cpu > 1.25 * clean_cpu, (slow_cpu, clean_cpu)
 
 assert "page_size=12" in rejected and "16, 32, 64 or 128" in rejected
 assert engine.config.page_size == 16 and engine.attn.name != "torch-fallback"
@@ -744,13 +760,20 @@ from probes.pool import advise_pool_size
         code(catalogue_row("pool_pressure")),
         md(f"""
 ## 1. The engine and long-tail traffic
-SmolLM2-135M-Instruct with a 128-page pool of 16 tokens. {ENGINE_NOTE} Ten chat requests: seven short questions
-and a tail of three that paste one, two and four paragraphs to summarise.
+SmolLM2-135M-Instruct with a 128-page pool of 16 tokens.
+
+{ENGINE_NOTE}
+
+Sixteen chat requests at once: fourteen
+short questions and a tail of two that paste two and four paragraphs to summarise.
 """),
         code(PARAGRAPH + """
-questions = ["What is the capital of France?", "Name three primary colours.", "Write one sentence about the sea.",
-             "What is 12 times 12?", "What colour is the sky on a clear day?", "Give me a synonym for happy.",
-             "How many legs does a spider have?"] + ["Summarise in one sentence: " + paragraph * k for k in (1, 2, 4)]
+short = ["What is the capital of France?", "Name three primary colours.", "Write one sentence about the sea.",
+         "What is the largest ocean on Earth?", "What colour is the sky on a clear day?",
+         "Give me a synonym for happy.", "How many legs does a spider have?", "What is the boiling point of water?",
+         "Name a fruit that is yellow.", "What language is spoken in Brazil?", "Who wrote Romeo and Juliet?",
+         "What is the opposite of cold?", "Name a mammal that can fly.", "How many days are in a week?"]
+questions = short + ["Summarise in one sentence: " + paragraph * k for k in (2, 4)]     # the long tail
 prompts = [[{"role": "user", "content": q}] for q in questions]
 params = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -775,10 +798,11 @@ pd.DataFrame({"prompt tokens": lengths, "preemptions": [o.num_preemptions for o 
               "answer": [o.text.strip()[:70] for o in pressured]})
 """),
         md("""
-Which requests were preempted, and when (`wb.log.frame("RequestPreempted")`):
+Which requests were preempted, and when (`wb.log.frame("RequestPreempted")`; the probe is set to call three
+preemptions within 16 steps a storm, for a demo this small):
 """),
         code("""
-wb.log.frame("RequestPreempted")
+wb.log.frame("RequestPreempted")[["step", "request_id"]]
 """),
         md("""
 ## 3. The findings
@@ -823,7 +847,9 @@ run at all (the OOM).
 
 ## 6. The fix: size the pool from production's P99 length
 `ceil(batch x P99 length / page_size) x 1.3`. The probe applies the rule to the lengths the requests reached and
-the most requests that were in flight at once; `advise_pool_size` is the rule itself:
+the most requests that were in flight at once; `advise_pool_size` is the rule itself. (The finding's hint applied
+it at the moment of the alert, to the requests running then; the long tail was still queued. Now the probe has
+seen the whole traffic.)
 """),
         code("""
 advice = wb.probe("pool").sizing()
@@ -837,7 +863,7 @@ A pool of the advised size, the same traffic:
         code("""
 fixed = Engine.from_default(EngineConfig(num_pages=advice["pages"], num_threads=1))
 fixed.tokenizer = engine.tokenizer         # the same model file: reuse the tokenizer already loaded
-wb_fixed = Workbench(fixed).attach("pool", pool={"storm_threshold": 3})
+wb_fixed = Workbench(fixed, log=False).attach("pool", pool={"storm_threshold": 3})
 fixed_outs = fixed.generate(prompts, params)
 sized = wb_fixed.probe("pool").frame()
 print(f"{fixed.num_pages} pages: {fixed.stats()['num_preemptions']} preemptions, peak usage {sized['usage'].max():.0%}")

@@ -29,6 +29,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-b
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 pytestmark = [
+    pytest.mark.ui,
     pytest.mark.slow,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -48,10 +49,10 @@ dash""",
 prefix = "You are a careful on-call engineer. Read the page table, the block tables and the pool, then answer. " * 2
 # Finished first: the second's full pages stay cached-free, the first's are shared below.
 wb.run([prefix + "What is a KV page?", "An unrelated request about block tables, bound versions and checksums. " * 3],
-       SamplingParams(max_tokens=6, ignore_eos=True))
+       SamplingParams(max_tokens=2, ignore_eos=True))
 for q in ("Why share pages?", "What is cu_seqlens?", "Why fp16 overflow?"):
     eng.add_request(prefix + q, SamplingParams(max_tokens=64, ignore_eos=True))
-for _ in range(4):
+for _ in range(2):
     eng.step()""",
     """\
 dash.refresh(force=True)
@@ -62,7 +63,8 @@ for p, s in enumerate(st.states.tolist()):
 wb.export_html("incident.html")
 print("KVWB-READY " + json.dumps({
     "step": pm.step, "cols": pm.cols, "cell": pm.cell,
-    "pages": [{"page": p, "state": int(s), "rgb": pm.color_of(p), "xy": pm.cell_center(p)} for s, p in sorted(known.items())],
+    "pages": [{"page": p, "state": int(s), "ref": int(st.ref[p]), "rgb": pm.color_of(p), "xy": pm.cell_center(p)}
+              for s, p in sorted(known.items())],
 }))""",
 ]
 
@@ -204,6 +206,13 @@ def test_dashboard_renders_and_scrubs_in_chromium(lab):
             check_known_pages(page, canvas, known, "live page map")
             head = page.locator(".kvwb-page-map-head").inner_text()
             assert f"step {info['step']}" in head
+            # Hover on a shared page: the kernel answers with its details (asked for on demand).
+            shared = next(k for k in known if k["state"] == 3)
+            canvas.hover(position={"x": shared["xy"][0], "y": shared["xy"][1]})
+            page.wait_for_function("() => document.querySelector('.kvwb-page-info').textContent.includes('prefix_hash')",
+                                   timeout=30_000)
+            detail = page.locator(".kvwb-page-info").inner_text()
+            assert f"page {shared['page']} · shared · owner requests" in detail and f"ref {shared['ref']}" in detail, detail
             page.screenshot(path=str(ARTIFACTS / "browser_dashboard.png"), full_page=True)
 
             # The timelines: plotly drew SVG with line and bar traces.

@@ -32,4 +32,5 @@ def test_clean_trace_run_has_no_findings(smollm2_path):
     for name, p in wb.probes.items():
         assert not p.frame().empty or name in ("lock_contention", "cu_seqlens"), f"probe {name} recorded nothing"
     wb.detach()
+    wb.log.detach()
     assert engine.pool.observer is None and engine.model.hooks is None

@@ -108,11 +108,11 @@ def test_memory_stats_cpu():
 
 def test_memory_stats_sees_an_allocation():
     before = dev.memory_stats("cpu")["rss_anon_bytes"]
-    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    block = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, touched (fresh pages: above malloc's mmap threshold)
     after = dev.memory_stats("cpu")["rss_anon_bytes"]
     del block
     if Path("/proc/self/status").exists():
-        assert after - before > 32 * 1024 * 1024
+        assert after - before > 128 * 1024 * 1024
 
 
 def test_supported_dtypes_cpu():
@@ -126,13 +126,13 @@ def test_supported_dtypes_cpu():
 
 def test_bandwidth_is_positive_and_plausible():
     gbs = dev.measure_bandwidth_gbs("cpu", nbytes=SMALL["nbytes"], repeats=SMALL["repeats"])
-    assert 1.0 < gbs < 10_000.0
+    assert 0.05 < gbs < 10_000.0          # generous floor: other processes may share the cores
 
 
 @pytest.mark.parametrize("dtype", ["float32", torch.float32])
 def test_matmul_is_positive_and_plausible(dtype):
     gflops = dev.measure_matmul_gflops("cpu", n=SMALL["n"], dtype=dtype, repeats=SMALL["repeats"])
-    assert 1.0 < gflops < 1_000_000.0
+    assert 0.05 < gflops < 1_000_000.0
 
 
 def test_matmul_rejects_unknown_dtype():

@@ -17,6 +17,7 @@ def test_committed_notebook_has_no_outputs(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name} cell {i} carries outputs"
 
 
+@pytest.mark.ui
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, tmp_path):
     from nbclient import NotebookClient

@@ -237,9 +237,15 @@ def test_fault_off_no_findings_and_fp16_matches_fp32(tiny_llama_dir, clean_fp32)
     assert tokens(eng, ps, GREEDY) == ref_greedy
     assert not wb.findings_at_least("warn")
     df = wb.probe("fp16_overflow").frame()
-    assert len(df) == 2 * eng.step_count and (df["headroom"] < 1e-3).all()
+    assert len(df) == 2 * eng.step_count and (df["headroom"] < 0.1).all()      # far below the warn line
     pages = wb.probe("fp16_overflow").page_frame()
-    assert not pages.empty and set(pages["layer"]) == {0, 1} and (pages["headroom"] < 1e-3).all()
+    assert not pages.empty and set(pages["layer"]) == {0, 1}
+    # the per-page maxima of a step and layer are the layer's absmax, split by page
+    per_layer = pages.groupby(["step", "layer"])[["k_absmax", "v_absmax"]].max().reset_index()
+    joined = per_layer.merge(df, on=["step", "layer"], suffixes=("_pages", ""))
+    assert len(joined) == len(df)
+    for c in ("k_absmax", "v_absmax"):
+        assert np.allclose(joined[c + "_pages"], joined[c], rtol=1e-6)
 
 
 def test_probe_samples_every_nth_step_and_is_unwired_when_detached(tiny_llama_dir):

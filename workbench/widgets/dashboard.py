@@ -1,15 +1,17 @@
 """Dashboard: page map, timelines and findings on one step cursor, live or time-travelling.
 
 Live: it listens to StepFinished and refreshes at most every `min_interval_s` (10 Hz),
-and never spends more than `max_share` of the wall time between refreshes on itself
-(a 20 ms refresh waits 200 ms for the next), so the engine slows no more than that.
+and never spends more than `max_share` (5%, the probes' own budget) of the wall time
+between refreshes on itself (a 20 ms refresh waits 400 ms for the next), so the engine
+slows no more than that.
 The refresh that the throttle skipped at the end of a run happens when the notebook
 cell finishes (IPython's post_run_cell) or on refresh(force=True).
 
 Time travel: the step slider (with a Play button) moves one cursor; the page map shows
 TimeTravel(log).state_at(step), the timelines draw the cursor line, and a finding picked
 in the table moves the cursor to its step and highlights its pages and layer. While
-following a live engine, the head step shows the live pool (PoolState.from_engine).
+following a live engine, the head step shows the live pool (live_state: what
+PoolState.from_engine returns, vectorised).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from typing import Any, Callable
 
 import ipywidgets as W
+import numpy as np
 
 from ..events import StepFinished
 from ..trace.timetravel import PoolState, TimeTravel
@@ -25,11 +28,41 @@ from .page_map import PageMap, live_page_details
 from .timelines import Timelines
 
 
+MAX_SHARE = 0.05          # of the engine's wall time, at most, spent refreshing: the probes' own budget
+
+
+def live_state(engine) -> PoolState:
+    """PoolState.from_engine(engine), vectorised: the same arrays, ~3x faster on a 131,072-page
+    pool (where from_engine's per-page Python loop costs 40-80 ms, too slow for 10 updates/s)."""
+    pool = engine.pool
+    n = pool.num_pages
+    st = PoolState.empty(n, engine.step_count)
+    st.ref[:] = pool.ref
+    if pool.num_cached_free:                      # cached = free and still hashed; few pages, checked one by one
+        hashed = np.fromiter((h is not None for h in pool.page_hash), bool, n)
+        cand = np.nonzero(hashed & (st.ref == 0))[0]
+        st.cached[cand] = [pool.is_free(int(p)) for p in cand]
+    seqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    held = [s for s in seqs if s.pages]
+    if held:
+        for s in reversed(held):                  # the first holder (running before waiting) wins
+            st.owner[s.pages] = s.request_id
+        count = np.bincount(np.concatenate([np.asarray(s.pages, np.int64) for s in held]), minlength=n)
+        multi = set(np.nonzero(count > 1)[0].tolist())
+        if multi:
+            holders: dict[int, list] = {}
+            for s in held:
+                for p in multi.intersection(s.pages):
+                    holders.setdefault(p, []).append(s.request_id)
+            st.shared_owners.update({p: tuple(r) for p, r in holders.items()})
+    return st
+
+
 class Throttle:
     """Lets a refresh through when min_interval_s has passed since the last one began and
     the last one's cost is at most max_share of the interval."""
 
-    def __init__(self, min_interval_s: float = 0.1, max_share: float = 0.1, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, min_interval_s: float = 0.1, max_share: float = MAX_SHARE, clock: Callable[[], float] = time.perf_counter):
         self.min_interval_s, self.max_share, self.clock = min_interval_s, max_share, clock
         self.next_at = float("-inf")
 
@@ -44,7 +77,7 @@ class Throttle:
 class Dashboard:
     def __init__(self, log, num_pages: int, engine=None, probes: dict | Callable[[], dict] | None = None,
                  findings: Callable[[], Any] | Any = None, live: bool = True, title: str = "PagedKV dashboard",
-                 min_interval_s: float = 0.1, max_share: float = 0.1, clock: Callable[[], float] = time.perf_counter,
+                 min_interval_s: float = 0.1, max_share: float = MAX_SHARE, clock: Callable[[], float] = time.perf_counter,
                  map_width: int = 640, map_height: int = 360):
         import pandas as pd
         from ..findings import COLUMNS
@@ -55,6 +88,7 @@ class Dashboard:
         self.throttle = Throttle(min_interval_s, max_share, clock)
         self.refreshes = 0
         self.skipped = 0
+        self.busy_s = 0.0                            # time spent refreshing (on the engine's thread when live)
         self._tt: TimeTravel | None = None
         self._tt_seq = -1
         self._highlight: list[int] = []
@@ -78,7 +112,7 @@ class Dashboard:
         self.widget = W.VBox([W.HTML(f"<b>{title}</b>"), self.status,
                               W.HBox([self.play, self.slider, self.follow]),
                               W.HBox([self.page_map, self.table.widget],
-                                     layout=W.Layout(align_items="flex-start", grid_gap="12px")),
+                                     layout=W.Layout(align_items="flex-start", flex_flow="row wrap")),
                               self.timelines.fig])
         self.widget.add_class("kvwb-dashboard")
         self._subscribed = False
@@ -130,7 +164,8 @@ class Dashboard:
 
     def stop(self) -> None:
         """Stop following: the view stays, as a time-travel view over what was logged."""
-        if self._subscribed:
+        was = self._subscribed
+        if was:
             self.engine.bus.unsubscribe(self._on_step)
             self._subscribed = False
         if self._ip_hook is not None:
@@ -141,11 +176,19 @@ class Dashboard:
                 pass
             self._ip_hook = None
         self.follow.value = False
-        self.refresh(force=True)
+        if was:
+            self.refresh(force=True)
 
     def close(self) -> None:
+        """Stop following and close every widget of the view (their comms with the browser)."""
         self.stop()
-        self.widget.close()
+
+        def close_tree(w):
+            for c in getattr(w, "children", ()):
+                close_tree(c)
+            w.close()
+        close_tree(self.widget)
+        self.play.close()
 
     def _repr_mimebundle_(self, **kw):
         return self.widget._repr_mimebundle_(**kw)
@@ -174,22 +217,30 @@ class Dashboard:
 
     def refresh(self, force: bool = False) -> None:
         t0 = self.throttle.clock()
-        self.timelines.refresh(force=force)
-        self.table.refresh()
+        new = self.timelines.ingest()
         head = self.head()
+        follow = self.follow.value
+        if follow:
+            self.timelines.cursor = head
+        if new or force:
+            self.timelines.draw()                    # the cursor line moves with the redraw
+        elif follow:
+            self.timelines.set_cursor(head)
+        self.table.refresh()
         self._quiet = True
         try:
             with self.slider.hold_sync():
                 self.slider.max = head
                 self.play.max = head
-                if self.follow.value:
+                if follow:
                     self.slider.value = head
         finally:
             self._quiet = False
-        if self.follow.value:
-            self.show_step(head)
+        if follow:
+            self.page_map.show(self.state_at(head), highlight=self._highlight)
         self._status()
         self.refreshes += 1
+        self.busy_s += self.throttle.clock() - t0
         self.throttle.done(t0)
 
     def _status(self) -> None:
@@ -218,7 +269,7 @@ class Dashboard:
     def state_at(self, step: int) -> PoolState:
         eng = self.engine
         if eng is not None and step >= eng.step_count and hasattr(eng, "scheduler"):
-            return PoolState.from_engine(eng)              # the head: the live pool itself
+            return live_state(eng)                         # the head: the live pool itself
         tt = self._time_travel()
         return tt.state_at(step) if tt is not None else PoolState.empty(self.num_pages, step)
 
@@ -241,7 +292,9 @@ class Dashboard:
     def _on_follow(self, change) -> None:
         if self._quiet:
             return
-        if change["new"]:
+        if change["new"]:                                   # back to the head (and listening again)
+            if not self._subscribed and self.engine is not None and hasattr(self.engine, "bus"):
+                self.start()
             self._safe(self.refresh, True)
         self._status()
 

@@ -28,6 +28,16 @@ STEP_FIELDS = ["step", "duration_ns", "num_tokens", "pages_used", "pages_cached"
                "num_preemptions", "bytes_weights", "bytes_kv_read", "bytes_kv_written"]
 
 
+def _put(cols: dict, step: int, layer: int, value: float) -> None:
+    c = cols.get(step)
+    if c is None or layer >= len(c):
+        grown = np.full(layer + 1, np.nan)
+        if c is not None:
+            grown[: len(c)] = c
+        c = cols[step] = grown
+    c[layer] = np.fmax(c[layer], value)
+
+
 def bucket_max(x: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """At most n points: the first x and the max y of each bucket (a spike is never averaged away)."""
     if len(x) <= n:
@@ -36,9 +46,17 @@ def bucket_max(x: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.nda
     return x[edges], np.fmax.reduceat(y, edges)
 
 
-def _rgb(request_id: int) -> str:
-    r, g, b = PALETTE[2 | (int(hue_of(np.array([request_id]))[0]) << 2)]
-    return f"rgb({r},{g},{b})"
+_RGB: dict = {}
+
+
+def _rgb(request_id) -> str:
+    """The page map's colour for an owned page of this request."""
+    c = _RGB.get(request_id)
+    if c is None:
+        hue = int(hue_of(np.array([request_id if isinstance(request_id, int) else -1]))[0])
+        r, g, b = PALETTE[2 | (hue << 2)]
+        c = _RGB[request_id] = f"rgb({r},{g},{b})"
+    return c
 
 
 class Timelines:
@@ -57,7 +75,9 @@ class Timelines:
         self.cols: dict[str, list] = {f: [] for f in STEP_FIELDS}
         self.segments: dict[int, tuple[list, list]] = {}      # step -> (request ids, query lens)
         self.lock_wait: dict[str, dict[int, float]] = {}      # lock -> step -> ms waited
-        self.kv_absmax: dict[tuple[int, int], float] = {}     # (layer, step) -> absmax (from KVWritten)
+        self.kv_headroom: dict[int, np.ndarray] = {}          # step -> absmax / 65504 per layer (KVWritten)
+        self.probe_headroom: dict[int, np.ndarray] = {}       # step -> headroom per layer (fp16_overflow)
+        self._probe_rows = 0
         self.cursor: int | None = None
         self.layer: int | None = None                        # highlighted heatmap row
         self.on_cursor: list[Callable[[int], None]] = []     # told when a click on a panel moves the cursor
@@ -98,11 +118,17 @@ class Timelines:
         fig.update_layout(height=height, margin=dict(l=50, r=130, t=30, b=30), bargap=0.1,
                           barmode="overlay", hovermode="x", uirevision="keep")
         sp = fig.get_subplot(6, 1)                    # axis names shift after the secondary y of row 3
-        self._heat_axes = (sp.xaxis.plotly_name.replace("axis", ""), sp.yaxis.plotly_name.replace("axis", ""))
+        hx, hy = sp.xaxis.plotly_name.replace("axis", ""), sp.yaxis.plotly_name.replace("axis", "")
+        fig.layout.shapes = [
+            dict(type="line", xref="x", yref="paper", x0=0, x1=0, y0=0, y1=1, visible=False, name="cursor",
+                 line=dict(color="#e00000", width=1.5)),
+            dict(type="rect", xref=f"{hx} domain", yref=hy, x0=0, x1=1, y0=0, y1=1, visible=False, name="layer",
+                 line=dict(color="#e00000", width=2))]
         lo, hi = sp.yaxis.domain
         fig.data[9].colorbar.update(y=(lo + hi) / 2, len=hi - lo)
         self.fig = fig
         self._lock_traces: dict[str, int] = {}
+        self._segments_drawn = None
         for tr in fig.data:
             tr.on_click(self._clicked)
 
@@ -127,9 +153,35 @@ class Timelines:
             d[int(s)] = d.get(int(s), 0.0) + ns / 1e6
         kv = self._kv.read()
         for s, l, k, v in zip(kv["step"], kv["layer"], kv["k_absmax"], kv["v_absmax"]):
-            key = (int(l), int(s))
-            self.kv_absmax[key] = max(self.kv_absmax.get(key, 0.0), float(np.fmax(k, v)))
-        return bool(new["step"] or packed["step"] or waits["step"] or kv["step"])
+            _put(self.kv_headroom, int(s), int(l), float(np.fmax(k, v)) / FP16_MAX)
+        fp16 = self._ingest_fp16()
+        return bool(new["step"] or packed["step"] or waits["step"] or kv["step"] or fp16)
+
+    def _ingest_fp16(self) -> bool:
+        """New rows of the fp16_overflow probe (its `rows`, else its frame()): headroom per layer and step."""
+        p = self._probe("fp16_overflow")
+        if p is None:
+            return False
+        rows = getattr(p, "rows", None)
+        if not isinstance(rows, list):
+            try:
+                rows = p.frame().to_dict("records")
+            except Exception:
+                return False
+        if len(rows) < self._probe_rows:                     # the probe was reset
+            self.probe_headroom.clear()
+            self._probe_rows = 0
+        new, self._probe_rows = rows[self._probe_rows:], len(rows)
+        for r in new:
+            if not isinstance(r, dict) or r.get("step") is None or r.get("layer") is None:
+                continue
+            v = r.get("headroom")
+            if v is None:
+                vals = [r[k] for k in ("k_absmax", "v_absmax", "hidden_absmax") if r.get(k) is not None]
+                v = max(vals) / FP16_MAX if vals else None
+            if v is not None:
+                _put(self.probe_headroom, int(r["step"]), int(r["layer"]), float(v))
+        return bool(new)
 
     def series(self) -> dict[str, np.ndarray]:
         c = {f: np.asarray(v, dtype=np.float64) for f, v in self.cols.items()}
@@ -149,50 +201,38 @@ class Timelines:
         return float(peak) if peak else None
 
     def headroom(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(steps, layers, log10 headroom [layers x steps]) from the fp16_overflow probe, else KVWritten."""
-        p = self._probe("fp16_overflow")
-        df = None
-        if p is not None:
-            try:
-                df = p.frame()
-            except Exception:
-                df = None
-        if df is not None and len(df) and {"step", "layer"} <= set(df.columns):
-            if "headroom" in df:
-                val = df["headroom"].astype(float)
-            else:
-                cols = [c for c in ("k_absmax", "v_absmax", "hidden_absmax") if c in df]
-                val = df[cols].astype(float).max(axis=1) / FP16_MAX if cols else None
-            if val is not None:
-                grid = df.assign(v=val).pivot_table(index="layer", columns="step", values="v", aggfunc="max")
-                return self._log_grid(grid.columns.to_numpy(), grid.index.to_numpy(), grid.to_numpy())
-        if not self.kv_absmax:
+        """(steps, layers, log10 headroom [layers x steps]): the fp16_overflow probe's when it is
+        attached (K, V and hidden states), else KVWritten's (K and V absmax before the cast)."""
+        cols = self.probe_headroom or self.kv_headroom
+        if not cols:
             return np.array([]), np.array([]), np.zeros((0, 0))
-        layers = np.array(sorted({l for l, _ in self.kv_absmax}))
-        steps = np.array(sorted({s for _, s in self.kv_absmax}))
-        li = {l: i for i, l in enumerate(layers)}
-        si = {s: i for i, s in enumerate(steps)}
-        z = np.full((len(layers), len(steps)), np.nan)
-        for (l, s), v in self.kv_absmax.items():
-            z[li[l], si[s]] = v / FP16_MAX
-        return self._log_grid(steps, layers, z)
-
-    def _log_grid(self, steps, layers, z):
+        steps = np.array(sorted(cols))
+        L = max(len(c) for c in cols.values())
+        z = np.full((L, len(steps)), np.nan)
+        for i, s in enumerate(steps):
+            c = cols[s]
+            z[: len(c), i] = c
         if len(steps) > self.max_points:                 # keep the worst (largest) value per bucket
             edges = np.linspace(0, len(steps), self.max_points + 1).astype(int)[:-1]
             steps, z = steps[edges], np.fmax.reduceat(np.nan_to_num(z, nan=0.0), edges, axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return steps, layers, np.log10(np.where(z > 0, z, np.nan))
+            return steps, np.arange(L), np.log10(np.where(z > 0, z, np.nan))
+
+    def segment_window_at(self) -> tuple[int, int]:
+        """The steps of batch composition drawn: segment_window of them around the cursor (or the end)."""
+        last = max(self.segments) if self.segments else 0
+        centre = self.cursor if self.cursor is not None else last
+        if centre >= last:
+            return last - self.segment_window, last
+        return centre - self.segment_window // 2, centre + self.segment_window // 2
 
     def segment_bars(self) -> dict[str, list]:
-        """Bars for the batch composition panel, within segment_window steps of the cursor (or the end)."""
+        """Bars for the batch composition panel: per step, one bar per packed sequence, stacked in
+        cu_seqlens order (base = its offset), coloured as its pages are on the page map."""
         if not self.segments:
             return {"x": [], "y": [], "base": [], "color": [], "rid": []}
         steps = sorted(self.segments)
-        centre = self.cursor if self.cursor is not None else steps[-1]
-        lo, hi = centre - self.segment_window // 2, centre + self.segment_window // 2
-        if centre >= steps[-1]:
-            lo, hi = steps[-1] - self.segment_window, steps[-1]
+        lo, hi = self.segment_window_at()
         x, y, base, color, rid = [], [], [], [], []
         for s in steps:
             if not lo <= s <= hi:
@@ -209,6 +249,11 @@ class Timelines:
         """Ingest and redraw; returns whether anything was drawn."""
         if not self.ingest() and not force:
             return False
+        self.draw()
+        return True
+
+    def draw(self) -> None:
+        """Redraw every panel from what was ingested (and the cursor)."""
         s = self.series()
         fig, n = self.fig, self.max_points
         x = s["step"]
@@ -233,7 +278,6 @@ class Timelines:
             self._draw_segments()
             self._draw_cursor()
         self.refreshes += 1
-        return True
 
     def _draw_locks(self) -> None:
         fig = self.fig
@@ -250,21 +294,23 @@ class Timelines:
             tr.x, tr.y = xs, ys
 
     def _draw_segments(self) -> None:
+        key = (self.segment_window_at(), len(self.segments))
+        if key == self._segments_drawn:
+            return
+        self._segments_drawn = key
         b = self.segment_bars()
         tr = self.fig.data[10]
         tr.x, tr.y, tr.base, tr.customdata = b["x"], b["y"], b["base"], b["rid"]
         tr.marker.color = b["color"]
 
     def _draw_cursor(self) -> None:
-        shapes = []
-        if self.cursor is not None:
-            shapes.append(dict(type="line", xref="x", yref="paper", x0=self.cursor, x1=self.cursor, y0=0, y1=1,
-                               line=dict(color="#e00000", width=1.5), name="cursor"))
-        if self.layer is not None:
-            hx, hy = self._heat_axes
-            shapes.append(dict(type="rect", xref=f"{hx} domain", yref=hy, x0=0, x1=1, y0=self.layer - 0.5,
-                               y1=self.layer + 0.5, line=dict(color="#e00000", width=2), name="layer"))
-        self.fig.layout.shapes = shapes
+        # Two fixed shapes, moved in place: a relayout of a few keys, not a new shapes list.
+        cur, lay = self.fig.layout.shapes
+        c, l = self.cursor, self.layer
+        if (cur.visible, cur.x0, lay.visible, lay.y0) != (c is not None, c, l is not None,
+                                                             None if l is None else l - 0.5):
+            cur.update(visible=c is not None, x0=c, x1=c)
+            lay.update(visible=l is not None, y0=None if l is None else l - 0.5, y1=None if l is None else l + 0.5)
 
     def set_cursor(self, step: int | None, layer: int | None = None, keep_layer: bool = True) -> None:
         """Move the shared cursor (and optionally mark a layer on the heatmap)."""
@@ -277,18 +323,22 @@ class Timelines:
 
     def cursor_x(self) -> float | None:
         """Where the figure's cursor line stands (what the browser draws)."""
-        for sh in self.fig.layout.shapes:
-            if sh.name == "cursor":
-                return sh.x0
-        return None
+        cur = self.fig.layout.shapes[0]
+        return cur.x0 if cur.visible else None
+
+    def layer_marked(self) -> float | None:
+        """The heatmap row the layer box surrounds (None when hidden)."""
+        lay = self.fig.layout.shapes[1]
+        return (lay.y0 + lay.y1) / 2 if lay.visible else None
 
     def _clicked(self, trace, points, state) -> None:
         xs = getattr(points, "xs", None)
         if not xs:
             return
-        step = int(round(float(xs[0])))
-        if not math.isfinite(step):
+        x = float(xs[0])
+        if not math.isfinite(x):
             return
+        step = int(round(x))
         self.set_cursor(step)
         for fn in self.on_cursor:
             fn(step)
