@@ -183,10 +183,11 @@ def bench_engine(model: str, repeats: int, requests: int, new_tokens: int) -> No
     def run(with_dashboard: bool) -> tuple[float, int]:
         wb = Workbench(eng).attach(*probes)
         dash = wb.dashboard() if with_dashboard else None
+        r0, b0 = (dash.refreshes, dash.busy_s) if dash else (0, 0.0)     # not the first draw: it precedes the run
         t = time.perf_counter()
         wb.run(prompts, params)
         dt = time.perf_counter() - t
-        busy = (dash.refreshes, dash.busy_s) if dash else (0, 0.0)
+        busy = (dash.refreshes - r0, dash.busy_s - b0) if dash else (0, 0.0)
         if dash:
             dash.close()
         wb.detach()
@@ -218,8 +219,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pages", type=int, default=131_072)
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
     a = ap.parse_args(argv)
     install_comm()
     bench_serialise(a.pages)

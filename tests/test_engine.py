@@ -48,9 +48,15 @@ def test_pages_used_equals_live_tokens(tiny_llama_dir):
 
 def test_small_pool_preempts_and_matches(tiny_llama_dir, reference):
     ps, ref = reference
+    from workbench.events import RequestPreempted
     eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=14, enable_prefix_caching=False))
+    seen = []
+    eng.bus.subscribe(RequestPreempted, seen.append)
     outs = eng.generate(ps, GREEDY)
     assert eng.stats()["num_preemptions"] > 0
+    # each event says what the victim lost: the pages it held and the KV it must recompute
+    assert len(seen) == eng.stats()["num_preemptions"]
+    assert all(e.num_pages_freed == pages_for(e.num_computed_tokens, 16) > 0 for e in seen)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.num_preemptions for o in outs) == eng.stats()["num_preemptions"]
 

@@ -85,6 +85,11 @@ class PoolMachine(RuleBasedStateMachine):
             self.content.pop(p, None)
         self.pool.free(pages)
 
+    @rule(pages=st.lists(st.integers(0, 39), max_size=6))
+    def flush(self, pages):
+        """A prefix-cache flush of some pages, free or in use (what a fault's clean-up does)."""
+        self.pool.forget([p for p in pages if p < self.pool.num_pages])
+
     @invariant()
     def accounting(self):
         pool = self.pool
@@ -133,3 +138,29 @@ def test_lookup_is_collision_safe():
     pool.register(p, 42, tuple([1] * PS))
     assert pool.lookup(42, tuple([2] * PS)) is None       # same hash, other tokens: no hit
     assert pool.lookup(42, tuple([1] * PS)) == p
+
+
+def test_forget_reports_evictions_and_keeps_counts():
+    pool = PagePool(4, PS)
+    heard = []
+    pool.observer = lambda kind, pages, **d: heard.append((kind, list(pages)))
+    a = pool.allocate(2)
+    pool.register(a[0], 1, tuple([1] * PS))
+    pool.register(a[1], 2, tuple([2] * PS))
+    pool.free([a[1]])                                     # a[1] cached-free, a[0] in use
+    assert pool.num_cached_free == 1
+    heard.clear()
+    assert pool.forget([a[0], a[1], 3]) == [a[0], a[1]]   # page 3 carried no hash
+    assert heard == [("evicted", [a[0], a[1]])]
+    assert pool.num_cached_free == 0 and pool.cached == {} and pool.lookup(1, tuple([1] * PS)) is None
+
+
+def test_page_hash_is_the_same_in_every_process():
+    """Replays must be reproducible: the chained hash may not depend on the process."""
+    import subprocess
+    import sys
+    from workbench.engine.pages import hash_page
+    code = "from workbench.engine.pages import hash_page; print(hash_page(hash_page(None, (1, 2)), (3,)))"
+    got = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+           for _ in range(2)}
+    assert got == {str(hash_page(hash_page(None, (1, 2)), (3,)))}

@@ -268,7 +268,7 @@ class Engine:
         bus, step = self.bus, self.step_count
         if sched.preempted and bus.wants(RequestPreempted):
             for s in sched.preempted:
-                bus.emit(RequestPreempted(step, now_ns(), s.request_id, 0, 0))
+                bus.emit(RequestPreempted(step, now_ns(), s.request_id, *s.last_preemption))
         if sched.admitted and bus.wants(RequestAdmitted):
             for s in sched.admitted:
                 bus.emit(RequestAdmitted(step, now_ns(), s.request_id, s.num_cached_tokens, len(s.pages)))

@@ -60,3 +60,21 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W.T + b), the activation fused into the GEMM's epilogue on oneDNN."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T + b) * other, fused (SwiGLU's up projection times silu(gate))."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias).mul_(other)
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T + b) + other, fused (a residual connection)."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+        return F.linear(x, self.weight, self.bias).add_(other)

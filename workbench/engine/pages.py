@@ -20,13 +20,18 @@ class NoFreePages(RuntimeError):
     pass
 
 
+ROOT_HASH = 0x5EED_CAFE      # the parent of a sequence's first page (hash(None) is per-process before 3.12)
+
+
 def hash_page(parent_hash: int | None, tokens: tuple) -> int:
     """Chained page hash: equal hashes mean equal tokens *and* equal history.
 
     Python's hash of a tuple of ints is deterministic across processes (no salt),
-    which keeps replays reproducible. Collisions are caught by comparing tokens.
+    which keeps replays reproducible; the first page chains from ROOT_HASH, not from
+    None, whose hash varies per process before Python 3.12. Collisions are caught by
+    comparing tokens.
     """
-    return hash((parent_hash, tokens))
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, tokens))
 
 
 class PagePool:
@@ -170,6 +175,27 @@ class PagePool:
         self.cached[h] = p
         self.page_hash[p] = h
         self.page_tokens[p] = tokens
+
+    def forget(self, pages: Iterable[int]) -> list[int]:
+        """Drop the prefix hash of these pages (a prefix-cache flush); returns those that had one.
+
+        A free page among them stays free but is no longer reusable as a prefix; the
+        observer hears "evicted", so event consumers (time travel, views) stay in step.
+        """
+        dropped = []
+        for p in dict.fromkeys(pages):
+            h = self.page_hash[p]
+            if h is None:
+                continue
+            if self.cached.get(h) == p:
+                del self.cached[h]
+            if self._is_free[p]:
+                self.num_cached_free -= 1
+            self.page_hash[p] = self.page_tokens[p] = None
+            dropped.append(p)
+        if self.observer is not None and dropped:
+            self.observer("evicted", dropped)
+        return dropped
 
     # ---- state ------------------------------------------------------------
     @property

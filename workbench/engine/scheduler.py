@@ -80,6 +80,7 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.last_preemption = (len(seq.pages), seq.num_computed_tokens)
         self.kv.release(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0

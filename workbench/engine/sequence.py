@@ -51,6 +51,7 @@ class Sequence:
     num_computed_tokens: int = 0                            # tokens whose KV is in the pages
     num_cached_tokens: int = 0                              # of those, prefix-cache hits
     num_preemptions: int = 0
+    last_preemption: tuple = (0, 0)                         # (pages let go, computed tokens dropped)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None

@@ -55,3 +55,15 @@ class Fault:
 
     def on_disable(self) -> None:
         pass
+
+
+def forget_cached_since(pool, before: dict) -> int:
+    """Drop the prefix-cache entries registered since `before` (a copy of pool.cached).
+
+    A fault that garbles attention also garbles the K/V the next layers write, and full
+    pages of that K/V get registered in the prefix cache: a later request with the same
+    prefix would read them long after the fault is gone (in production: flush the prefix
+    cache after the fix). Pages registered before the fault hold K/V written before it.
+    The pool reports the dropped hashes as evictions, so time travel stays exact.
+    """
+    return len(pool.forget([p for h, p in list(pool.cached.items()) if before.get(h) != p]))

@@ -21,8 +21,7 @@ device).
 """
 from __future__ import annotations
 
-from .base import Fault
-from .free_while_shared import forget_cached_since
+from .base import Fault, forget_cached_since
 
 
 class CuSeqlensCorrupt(Fault):

@@ -11,27 +11,7 @@ map pages the fault already gave away.
 """
 from __future__ import annotations
 
-from .base import Fault
-
-
-def forget_cached_since(pool, before: dict) -> int:
-    """Drop the prefix-cache entries registered since `before` (a copy of pool.cached).
-
-    A fault that garbles attention also garbles the K/V the next layers write, and full
-    pages of that K/V get registered in the prefix cache: a later request with the same
-    prefix would read them long after the fault is gone (in production: flush the prefix
-    cache after the fix). Pages registered before the fault hold K/V written before it.
-    """
-    n = 0
-    for h, p in list(pool.cached.items()):
-        if before.get(h) == p:
-            continue
-        del pool.cached[h]
-        pool.page_hash[p] = pool.page_tokens[p] = None
-        if pool.is_free(p):
-            pool.num_cached_free -= 1
-        n += 1
-    return n
+from .base import Fault, forget_cached_since
 
 
 class FreeWhileShared(Fault):

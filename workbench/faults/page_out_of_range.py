@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Fault
-from .free_while_shared import forget_cached_since
+from .base import Fault, forget_cached_since
 
 
 class PageOutOfRange(Fault):

@@ -9,8 +9,7 @@ new page should be).
 """
 from __future__ import annotations
 
-from .base import Fault
-from .free_while_shared import forget_cached_since
+from .base import Fault, forget_cached_since
 
 
 class StaleBinding(Fault):

@@ -136,7 +136,7 @@ class Simulator:
         t = int(self.clock * 1e9)
         if sched.preempted and bus.wants(RequestPreempted):
             for s in sched.preempted:
-                bus.emit(RequestPreempted(step, t, s.request_id, 0, 0))
+                bus.emit(RequestPreempted(step, t, s.request_id, *s.last_preemption))
         if sched.admitted and bus.wants(RequestAdmitted):
             for s in sched.admitted:
                 bus.emit(RequestAdmitted(step, t, s.request_id, s.num_cached_tokens, len(s.pages)))
