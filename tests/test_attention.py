@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.engine.attention import TorchPagedAttention
+from workbench.engine.attention import CpuPagedAttention, TorchPagedAttention, native
+from workbench.engine.attention.cpu_paged import NativeDecode
 from workbench.engine.batch import BatchBuilder
 from workbench.engine.sequence import SamplingParams, Sequence
 
@@ -23,7 +24,26 @@ def dense_reference(q, k, v, start):
     return torch.einsum("hnc,chd->nhd", s.softmax(-1), v)
 
 
-def run_case(rng, page_size, specs):
+BACKENDS = [TorchPagedAttention, CpuPagedAttention]
+
+
+def need_kernel():
+    """Where a C++ compiler exists the kernel must build; without one the torch path stands."""
+    import shutil
+    if native.kernel() is None:
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip(f"no C++ compiler: the compiled decode kernel cannot build ({native.unavailable_reason()})")
+        pytest.fail(f"the compiled CPU decode kernel did not build: {native.unavailable_reason()}")
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda c: c.name)
+def backend(request):
+    if request.param is CpuPagedAttention:
+        need_kernel()
+    return request.param
+
+
+def run_case(rng, page_size, specs, backend=TorchPagedAttention):
     """specs: list of (tokens already cached, tokens computed this step)."""
     total_pages = sum(-(-(a + b) // page_size) for a, b in specs) + 3
     perm = rng.permutation(total_pages).tolist()       # pages scattered over the pool
@@ -46,9 +66,11 @@ def run_case(rng, page_size, specs):
     k_new = torch.cat([kf[c:] for (kf, _), (c, _) in zip(fulls, specs)])
     v_new = torch.cat([vf[c:] for (_, vf), (c, _) in zip(fulls, specs)])
     q = torch.randn(k_new.shape[0], HQ, D)
-    attn = TorchPagedAttention(HQ, HKV, D)
+    attn = backend(HQ, HKV, D)
     attn.write_kv(k_new, v_new, kc, vc, b)
     out = attn.forward(q, k_new, v_new, kc, vc, b)
+    if backend is CpuPagedAttention and any(n == 1 for _, n in specs):
+        assert isinstance(b.attn_plan.decode[0], NativeDecode)          # the kernel ran, not the fallback
     cu = b.cu_seqlens_q_np
     for i, ((kf, vf), (cached, new)) in enumerate(zip(fulls, specs)):
         ref = dense_reference(q[cu[i]:cu[i + 1]], kf, vf, cached)
@@ -62,7 +84,7 @@ def run_case(rng, page_size, specs):
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed", "prefix_hit"])
-def test_paged_attention_matches_dense(page_size, kind):
+def test_paged_attention_matches_dense(page_size, kind, backend):
     rng = np.random.default_rng(page_size * 7 + len(kind))
     for _ in range(3):
         b = int(rng.integers(1, 7))
@@ -75,9 +97,23 @@ def test_paged_attention_matches_dense(page_size, kind):
         else:
             specs = ([(int(rng.integers(1, 300)), 1) for _ in range(b)]
                      + [(0, int(rng.integers(2, 200))), (int(rng.integers(1, 100)), int(rng.integers(2, 90)))])
-        run_case(rng, page_size, specs)
+        run_case(rng, page_size, specs, backend)
 
 
-def test_single_token_prompt_and_page_boundaries():
+def test_single_token_prompt_and_page_boundaries(backend):
     rng = np.random.default_rng(0)
-    run_case(rng, 16, [(0, 1), (15, 1), (16, 1), (31, 2), (0, 16), (0, 17)])
+    run_case(rng, 16, [(0, 1), (15, 1), (16, 1), (31, 2), (0, 16), (0, 17)], backend)
+
+
+def test_compiled_decode_rejects_a_page_past_the_pool():
+    """A bad id raises (as torch's index_select does) instead of reading past the pool."""
+    need_kernel()
+    ps, pages = 16, 4
+    kc, vc = torch.randn(pages, ps, HKV, D), torch.randn(pages, ps, HKV, D)
+    q, out = torch.randn(1, HQ, D), torch.empty(1, HQ, D)
+    bt = torch.tensor([[0, pages]], dtype=torch.int32)
+    args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    native.kernel().paged_decode(q, out, kc, vc, bt, *args, torch.tensor([ps], dtype=torch.int32), D ** -0.5)
+    with pytest.raises(IndexError, match="out of bounds"):
+        native.kernel().paged_decode(q, out, kc, vc, bt, *args, torch.tensor([ps + 1], dtype=torch.int32),
+                                     D ** -0.5)

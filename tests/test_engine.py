@@ -72,6 +72,12 @@ def test_chunked_prefill_and_prefix_cache_match(tiny_llama_dir, reference):
     assert st["prefix_cache_hits"] >= 3 * 32 and st["prefix_cache_queries"] > st["prefix_cache_hits"]
     assert all(o.num_cached_tokens >= 32 for o in again)
     assert [o.token_ids for o in again] == [o.token_ids for o in first[:3]]
+    # reset_prefix_cache: the same prompts are computed again, with the same answers
+    assert eng.reset_prefix_cache() > 0 and eng.stats()["pages_cached"] == 0
+    hits = eng.stats()["prefix_cache_hits"]
+    third = eng.generate(shared[:1], GREEDY)
+    assert third[0].num_cached_tokens == 0 and third[0].token_ids == first[0].token_ids
+    assert eng.stats()["prefix_cache_hits"] == hits
 
 
 def test_prompt_longer_than_pool_rejected_others_finish(tiny_llama_dir, reference):

@@ -107,8 +107,11 @@ def test_read_msprof_hbm_dir_and_bad_rows(tmp_path):
 
 def test_get_backend_picks_the_fallback_for_odd_page_sizes():
     assert isinstance(get_backend("cpu", 4, 2, 16, page_size=12), TorchFallbackAttention)
-    assert type(get_backend("cpu", 4, 2, 16, page_size=16)) is TorchPagedAttention
-    assert type(get_backend("cpu", 4, 2, 16)) is TorchPagedAttention
+    from workbench.engine.attention import CpuPagedAttention, native
+    paged = CpuPagedAttention if native.kernel() is not None else TorchPagedAttention
+    assert type(get_backend("cpu", 4, 2, 16, page_size=16)) is paged
+    assert type(get_backend("cpu", 4, 2, 16)) is paged
+    assert type(get_backend("cuda", 4, 2, 16)) is TorchPagedAttention
 
 
 def test_fallback_attention_equals_paged_attention_at_page_size_12():

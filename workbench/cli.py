@@ -99,6 +99,10 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["default_model"] = str(model) if model else None
     report["default_model_bytes"] = model.stat().st_size if model else None
     report["default_model_dist"] = _dist_version(DEFAULT_MODEL_DIST)
+    from workbench.engine.attention import get_backend, native
+    report["attention_backend"] = get_backend(dev.type, 4, 2, 16).name
+    report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
+                                   else f"unavailable: {native.unavailable_reason()}")
     return report
 
 
@@ -148,6 +152,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("memory", mem_line),
         ("peaks cache", report["peaks_cache_file"]),
         ("default model", model_line),
+        ("attention", f"{report['attention_backend']} backend; compiled CPU decode kernel "
+                      f"{report['cpu_decode_kernel']}"),
     ]
     width = max(len(k) for k, _ in rows) + 1
     print("kvwb doctor")

@@ -185,6 +185,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache entry (after a fix, or between benchmark rounds).
+
+        Live sequences keep their pages and references; only future hits are lost.
+        Cached-free pages become plain free pages. Returns how many entries were dropped.
+        """
+        with self.lock:
+            self.pool.actor = None
+            return len(self.pool.forget(list(self.pool.cached.values())))
+
     # ---- the step (engine thread) ----------------------------------------
     def _drain_inbox(self) -> list[RequestOutput]:
         while not self._notices.empty():

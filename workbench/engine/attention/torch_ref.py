@@ -41,7 +41,7 @@ class PrefillSeq:
 
 @dataclass
 class AttentionPlan:
-    decode: list[DecodeGroup]
+    decode: list                 # DecodeGroup (torch) or one NativeDecode (compiled CPU kernel)
     prefill: list[PrefillSeq]
     pages_read: int              # pages the kernel reads per layer (for bandwidth accounting)
 
@@ -75,19 +75,8 @@ class TorchPagedAttention(AttentionBackend):
         ps = batch.page_size
         bt = batch.block_tables
         dev = bt.device
-        decode, prefill, pages_read = [], [], 0
-        for rows in self.decode_groups(ctx, (qlens == 1).nonzero()[0], ps):
-            c = ctx[rows]
-            w = int(-(-c.max() // ps))
-            rows_t = torch.from_numpy(rows).to(dev)
-            pages = bt.index_select(0, rows_t)[:, :w].reshape(-1).long()
-            mask = None
-            if not (c == w * ps).all():
-                lens = torch.from_numpy(c).to(dev)
-                mask = (torch.arange(w * ps, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            tok = torch.from_numpy(cu[rows].astype(np.int64)).to(dev)
-            decode.append(DecodeGroup(tok, pages, mask, len(rows), w))
-            pages_read += len(rows) * w
+        prefill = []
+        decode, pages_read = self.plan_decode(batch, (qlens == 1).nonzero()[0])
         for i in (qlens > 1).nonzero()[0].tolist():
             a, b = int(cu[i]), int(cu[i + 1])
             n, c = b - a, int(ctx[i])
@@ -100,6 +89,25 @@ class TorchPagedAttention(AttentionBackend):
             pages_read += w
         batch.attn_plan = AttentionPlan(decode, prefill, pages_read)
         return batch.attn_plan
+
+    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray) -> tuple[list, int]:
+        """Decode rows in groups of similar length: pages to gather and the padding mask."""
+        ctx, cu, ps, bt = batch.context_lens_np, batch.cu_seqlens_q_np, batch.page_size, batch.block_tables
+        dev = bt.device
+        decode, pages_read = [], 0
+        for rows in self.decode_groups(ctx, rows_all, ps):
+            c = ctx[rows]
+            w = int(-(-c.max() // ps))
+            rows_t = torch.from_numpy(rows).to(dev)
+            pages = bt.index_select(0, rows_t)[:, :w].reshape(-1).long()
+            mask = None
+            if not (c == w * ps).all():
+                lens = torch.from_numpy(c).to(dev)
+                mask = (torch.arange(w * ps, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            tok = torch.from_numpy(cu[rows].astype(np.int64)).to(dev)
+            decode.append(DecodeGroup(tok, pages, mask, len(rows), w))
+            pages_read += len(rows) * w
+        return decode, pages_read
 
     @staticmethod
     def decode_groups(ctx: np.ndarray, decode: np.ndarray, ps: int, min_fill: float = 0.5) -> list[np.ndarray]:
@@ -134,16 +142,23 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
         plan = self.plan(batch)
         out = torch.empty_like(q)
+        self.decode(q, k_cache, v_cache, plan.decode, out)
+        self.prefill(q, k, v, k_cache, v_cache, plan.prefill, out)
+        return out
+
+    def decode(self, q, k_cache, v_cache, groups: list, out: torch.Tensor) -> None:
         hkv, d, hq = self.num_kv_heads, self.head_dim, self.num_heads
         g = hq // hkv
-        for grp in plan.decode:
+        for grp in groups:
             # GQA: the G query heads of each KV head ride on the query-length axis.
             kd = self.gather(k_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)   # [Bd, Hkv, L, D]
             vd = self.gather(v_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)
             qd = q.index_select(0, grp.tok).view(grp.num_rows, hkv, g, d)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=self.scale)
             out.index_copy_(0, grp.tok, o.reshape(grp.num_rows, hq, d))
-        for s in plan.prefill:
+
+    def prefill(self, q, k, v, k_cache, v_cache, seqs: list[PrefillSeq], out: torch.Tensor) -> None:
+        for s in seqs:
             # 4-D [1, H, n, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls
             # back to the math path, 3-12x slower at prefill lengths.
             qs = q[s.start:s.end].transpose(0, 1)[None]                                   # [1, Hq, n, D]
@@ -157,4 +172,3 @@ class TorchPagedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.scale,
                                                    enable_gqa=True)
             out[s.start:s.end] = o[0].transpose(0, 1)
-        return out

@@ -1,0 +1,69 @@
+"""CPU paged attention: decode reads K/V pages in place (compiled kernel), prefill as torch.
+
+Decode attention is memory-bound. The torch backend gathers each decode row's pages into
+a fresh tensor and runs SDPA over it (write + read + read of the KV bytes); the kernel in
+csrc/paged_decode.cpp walks the block table and reads each page once, as the paged
+kernels of vLLM, FlashAttention and ATB do on their devices. Same contract, same plan,
+same results (checked against dense attention in tests/test_attention.py).
+
+It falls back to the torch path, per step, where the kernel does not apply: a cache that
+is not float32 (fp16, fp16_scaled), or a gather a fault has replaced to emulate device
+memory (page_out_of_range, unchecked): that emulation must see every page read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..batch import PackedBatch
+from . import native
+from .torch_ref import TorchPagedAttention
+
+
+@dataclass
+class NativeDecode:
+    tok: torch.Tensor        # [Bd] int64: row of each decode query in the packed batch
+    rows: torch.Tensor       # [Bd] int64: its row in the bound block table
+    lens: torch.Tensor       # [Bd] int32: context length (tokens to attend over)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    name = "cpu"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.kernel = native.kernel()
+
+    def _native_ok(self, batch: PackedBatch) -> bool:
+        return (self.kernel is not None and batch.block_tables.device.type == "cpu"
+                and "gather" not in vars(self)                      # a fault emulating device memory
+                and getattr(self, "cache_dtype", None) == torch.float32
+                and getattr(self, "q_dtype", None) == torch.float32)
+
+    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray) -> tuple[list, int]:
+        if len(rows_all) == 0 or not self._native_ok(batch):
+            return super().plan_decode(batch, rows_all)
+        ctx, cu, ps = batch.context_lens_np, batch.cu_seqlens_q_np, batch.page_size
+        lens = ctx[rows_all]
+        plan = NativeDecode(torch.from_numpy(cu[rows_all].astype(np.int64)),
+                            torch.from_numpy(rows_all.astype(np.int64)),
+                            torch.from_numpy(lens.astype(np.int32)))
+        return [plan], int((-(-lens // ps)).sum())
+
+    def decode(self, q, k_cache, v_cache, groups: list, out: torch.Tensor) -> None:
+        if groups and isinstance(groups[0], NativeDecode):
+            if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+                raise RuntimeError("compiled decode planned for a float32 cache; got "
+                                   f"cache {k_cache.dtype}, q {q.dtype}")
+            p = groups[0]
+            self.kernel.paged_decode(q, out, k_cache, v_cache, self._bound_tables, p.tok, p.rows, p.lens,
+                                     self.scale)
+            return
+        super().decode(q, k_cache, v_cache, groups, out)
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
+        self._bound_tables = batch.block_tables
+        self.cache_dtype, self.q_dtype = k_cache.dtype, q.dtype
+        return super().forward(q, k, v, k_cache, v_cache, batch)

@@ -1,0 +1,65 @@
+"""Build and load the compiled CPU decode kernel (csrc/paged_decode.cpp), once per machine.
+
+torch.utils.cpp_extension compiles it with the machine's g++ (20-60 s) into
+$PAGEDKV_EXTENSIONS_DIR or ~/.cache/pagedkv-workbench/torch_extensions, rebuilt when the
+source changes; later processes only load it (`make` builds it during setup). When there is no compiler, or PAGEDKV_ATTENTION=torch,
+`kernel()` returns None and the engine keeps the pure-torch path: slower, same results.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def build_dir() -> Path:
+    env = os.environ.get("PAGEDKV_EXTENSIONS_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    d = Path(env) if env else Path(xdg) / "pagedkv-workbench" / "torch_extensions"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def kernel():
+    """The loaded extension module, or None (with the reason in `unavailable_reason()`)."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        mod, why = None, None
+        if os.environ.get("PAGEDKV_ATTENTION", "auto") == "torch":
+            why = "PAGEDKV_ATTENTION=torch"
+        else:
+            try:
+                import torch  # noqa: F401  (libgomp must be loaded before the extension links to it)
+                from torch.utils.cpp_extension import load
+                mod = load(name="pagedkv_paged_decode", sources=[str(SOURCE)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir()), verbose=False)
+            except Exception as e:               # no compiler, no headers, ...: keep the torch path
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                log.warning("compiled CPU decode attention unavailable (%s): using the torch path", why)
+        _state["module"], _state["why"] = mod, why
+        return mod
+
+
+def unavailable_reason() -> str | None:
+    kernel()
+    return _state.get("why")
+
+
+def main() -> int:
+    """Build now and say so (`make` runs this during setup, so no test pays the compile)."""
+    import time
+    t = time.perf_counter()
+    if kernel() is None:
+        print(f"compiled CPU decode attention: unavailable ({unavailable_reason()}); the torch path will run")
+    else:
+        print(f"compiled CPU decode attention: ready in {time.perf_counter() - t:.1f} s ({build_dir()})")
+    return 0
