@@ -121,7 +121,9 @@ class PoolProbe(Probe):
         """The sizing rule applied to what this probe has seen."""
         eng = self.engine
         ps = eng.pool.page_size
-        lengths = list(self._lengths) + list(self._live_lengths.values()) or [eng.max_model_len]
+        # finished, running and still-waiting requests: early in a run most demand is still queued
+        waiting = [s.max_len for s in list(eng.scheduler.waiting) if s.request_id not in self._live_lengths]
+        lengths = list(self._lengths) + list(self._live_lengths.values()) + waiting or [eng.max_model_len]
         batch = max(1, min(self._peak_demand, eng.config.max_num_seqs))
         pages = advise_pool_size(lengths, batch, ps)
         p99 = float(np.quantile(np.asarray(lengths, dtype=np.float64), 0.99))

@@ -90,6 +90,8 @@ def test_tokenizer_matches_transformers(ours, hf_tokenizer):
         assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True) == text
     assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
     assert tok.vocab_size == ours.config.vocab_size == 49152
+    # a second engine over the same file reuses the loaded tokenizer (5-15 s each otherwise)
+    assert Tokenizer(tok.path).hf is tok.hf
 
 
 def test_chat_template_matches_transformers(ours, hf_tokenizer):

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 
+_LOADED: dict = {}                 # (path, mtime) -> transformers tokenizer, shared in-process
+_LOADED_LOCK = threading.Lock()
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -34,11 +38,20 @@ class Tokenizer:
         return self._hf
 
     def _load(self) -> Any:
-        from transformers import AutoTokenizer  # slow import; keep it lazy
-
-        if self.path.is_file():
-            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        return AutoTokenizer.from_pretrained(str(self.path))
+        # Rebuilding the BPE from GGUF metadata takes 5-15 s; a notebook that builds several
+        # engines over one model (a fault run, then the fix) pays it once. The tokenizer is
+        # only read after loading, so sharing it between engines is safe.
+        key = (str(self.path.resolve()), self.path.stat().st_mtime_ns)
+        with _LOADED_LOCK:
+            tok = _LOADED.get(key)
+            if tok is None:
+                from transformers import AutoTokenizer  # slow import; keep it lazy
+                if self.path.is_file():
+                    tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+                else:
+                    tok = AutoTokenizer.from_pretrained(str(self.path))
+                _LOADED[key] = tok
+            return tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids transformers' `tokenizer(text)["input_ids"]` gives."""
