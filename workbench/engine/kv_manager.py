@@ -29,12 +29,17 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], []
-        ps = self.page_size
+        n = (seq.num_tokens - 1) // self.page_size
+        if n <= 0:
+            return [], []
+        self.chain(seq, n - 1)                                    # extend the memo once, then walk it
+        memo = seq.hash_chain
+        cached, tokens = self.pool.cached, self.pool.page_tokens   # pool.lookup, inlined: the hot loop
         pages, hashes = [], []
-        for i in range((seq.num_tokens - 1) // ps):
-            h, block = self.chain(seq, i)
-            p = self.pool.lookup(h, block)
-            if p is None:
+        for i in range(n):
+            h, block = memo[i]
+            p = cached.get(h)
+            if p is None or tokens[p] != block:
                 break
             pages.append(p)
             hashes.append(h)
@@ -63,7 +68,7 @@ class KVCacheManager:
         if num_new <= 0:
             return 0
         need = pages_for(num_cached + num_new, self.page_size) - len(hit_pages)
-        revived = sum(1 for p in hit_pages if self.pool.is_free(p))   # hits that leave the free queue
+        revived = sum(map(self.pool.is_free, hit_pages))               # hits that leave the free queue
         if self.pool.num_free - revived < need + reserve_pages:
             return 0
         self.pool.actor = seq.request_id
@@ -106,7 +111,11 @@ class KVCacheManager:
             return
         num_full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
         hashes = seq.page_hashes
+        if num_full <= len(hashes):                  # most steps: a decode that filled no page
+            return
+        self.chain(seq, num_full - 1)
+        memo, pages, register = seq.hash_chain, seq.pages, self.pool.register
         for i in range(len(hashes), num_full):
-            h, block = self.chain(seq, i)
+            h, block = memo[i]
             hashes.append(h)
-            self.pool.register(seq.pages[i], h, block)
+            register(pages[i], h, block)
