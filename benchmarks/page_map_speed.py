@@ -184,6 +184,7 @@ def bench_engine(model: str, repeats: int, requests: int, new_tokens: int) -> No
         wb = Workbench(eng).attach(*probes)
         dash = wb.dashboard() if with_dashboard else None
         r0, b0 = (dash.refreshes, dash.busy_s) if dash else (0, 0.0)     # not the first draw: it precedes the run
+        eng.reset_prefix_cache()              # each run computes its prompts, as the first one did
         t = time.perf_counter()
         wb.run(prompts, params)
         dt = time.perf_counter() - t

@@ -28,7 +28,7 @@ from .page_map import PageMap, live_page_details
 from .timelines import Timelines
 
 
-MAX_SHARE = 0.05          # of the engine's wall time, at most, spent refreshing: the probes' own budget
+MAX_SHARE = 0.03          # of the engine's wall time, at most, spent refreshing: no more than the probes cost (~3%)
 
 
 def live_state(engine) -> PoolState:
