@@ -117,3 +117,38 @@ def test_compiled_decode_rejects_a_page_past_the_pool():
     with pytest.raises(IndexError, match="out of bounds"):
         native.kernel().paged_decode(q, out, kc, vc, bt, *args, torch.tensor([ps + 1], dtype=torch.int32),
                                      D ** -0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_compiled_rms_norm_and_rope_write_match_torch(rows):
+    """The compiled per-layer ops equal the torch formulas they replace (model.rms_norm, apply_rope
+    followed by the slot write)."""
+    import torch.nn.functional as F
+    from workbench.engine.model import apply_rope, rope_tables
+    need_kernel()
+    kern = native.kernel()
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(96, generator=g)
+    ref = F.rms_norm(x, (96,), w, 1e-5)
+    assert torch.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-6)
+
+    ps, pages = 16, 64
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=g)
+    cos, sin = rope_tables(D, 4096, 10000.0)
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:rows]
+    kc, vc = torch.zeros(pages, ps, HKV, D), torch.zeros(pages, ps, HKV, D)
+    qk_ref = apply_rope(qkv[:, :(HQ + HKV) * D].view(rows, HQ + HKV, D), cos[pos][:, None], sin[pos][:, None])
+    v_ref = qkv[:, (HQ + HKV) * D:].reshape(rows, HKV, D).clone()
+    got = qkv.clone()
+    kern.rope_write(got, cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV)
+    assert torch.allclose(got[:, :(HQ + HKV) * D].view(rows, HQ + HKV, D), qk_ref, atol=1e-5)
+    assert torch.allclose(kc.view(-1, HKV, D)[slots], qk_ref[:, HQ:], atol=1e-5)
+    assert torch.equal(vc.view(-1, HKV, D)[slots], v_ref)
+    # a slot past the pool raises before anything is written
+    bad = slots.clone()
+    bad[-1] = pages * ps
+    before = kc.clone()
+    with pytest.raises(IndexError, match="out of bounds"):
+        kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, bad, HQ, HKV)
+    assert torch.equal(kc, before)

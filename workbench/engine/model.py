@@ -11,14 +11,29 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionBackend
+from .attention.torch_ref import TorchPagedAttention
 from .batch import PackedBatch
 from .kv_cache import KVCache
 from .linear import Linear
 from .model_config import ModelConfig
 
 
+def _kernel():
+    """The compiled CPU ops (attention/native.py), or None."""
+    global _KERNEL
+    if _KERNEL is False:
+        from .attention import native
+        _KERNEL = native.kernel()
+    return _KERNEL
+
+
+_KERNEL = False
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:                       # torch's fused kernel: one pass
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _kernel() is not None:
+        return _kernel().rms_norm(x, w, eps)           # one pass, no OpenMP fork at decode sizes
+    if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -96,18 +111,33 @@ class LlamaModel:
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        cos = self.cos.index_select(0, batch.positions)
+        sin = self.sin.index_select(0, batch.positions)
+        # RoPE and the K/V store fused in one compiled pass where the caches take a plain
+        # float32 write by slot (the layout contract); the torch path everywhere else.
+        native = _kernel() if (self.device.type == "cpu" and self.dtype == torch.float32 and kv.k
+                               and kv.k[0].dtype == torch.float32 and kv.k[0].is_contiguous()
+                               and type(attn).write_kv is TorchPagedAttention.write_kv) else None
+        if native is None:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]            # rotated together: one pass, not two
-            v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
-            if hooks is not None:
-                hooks.on_kv(i, k, v, batch)
-            attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
+            if native is not None and qkv.is_contiguous():   # rotate in place, store k, v at their slots
+                native.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping, hq, hkv)
+                q = qkv[:, : self.q_size].view(t, hq, hd)
+                k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
+                v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+                if hooks is not None:                # the values a probe sees are the ones stored
+                    hooks.on_kv(i, k, v, batch)
+            else:
+                qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two
+                v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+                if hooks is not None:
+                    hooks.on_kv(i, k, v, batch)
+                attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
             if hooks is not None:
                 hooks.on_attention(i, batch, batch.block_tables)

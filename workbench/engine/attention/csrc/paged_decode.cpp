@@ -187,8 +187,87 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
   }
 }
 
+// ---- the small per-layer ops around attention ------------------------------------------
+// At decode sizes (16 rows) torch's rms_norm and rope are a handful of tiny ops each, and
+// every one pays an OpenMP fork/join right after oneDNN's GEMM: ~30-70 us where the work
+// is ~2 us. These run rows serially below 64 rows and in parallel above.
+
+// y = w * x / sqrt(mean(x^2) + eps), x [R, H] with a contiguous last dim.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm: x [R, H] (contiguous rows), w [H]");
+  const int64_t rows = x.size(0), hdim = x.size(1), xs = x.stride(0);
+  auto y = torch::empty({rows, hdim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
+    for (int64_t r = b; r < end; ++r) {
+      const float* xr = xp + r * xs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hdim; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
+      float* yr = yp + r * hdim;
+#pragma omp simd
+      for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return y;
+}
+
+// In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
+// as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
+// slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
+void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
+                  sin.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat, "rope_write: float32 only");
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && slots.is_contiguous(), "rope_write: contiguous tensors only");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong, "rope_write: slots must be int64");
+  const int64_t t_n = qkv.size(0), d = k_cache.size(3), half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && k_cache.size(2) == hkv && cos.size(0) == t_n &&
+                  cos.size(1) == d && sin.sizes() == cos.sizes() && slots.numel() == t_n,
+              "rope_write: shapes disagree");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), width = qkv.size(1), kv = hkv * d;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_n; ++t)       // validate first: a bad slot writes nothing anywhere
+    TORCH_CHECK_INDEX(sl[t] >= 0 && sl[t] < num_slots, "index ", sl[t], " is out of bounds for dimension 0 "
+                      "with size ", num_slots, " (rope_write: slot of token ", t, ")");
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, t_n, 64, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      float* row = base + t * width;
+      const float* c = cp + t * d;
+      const float* s = sp + t * d;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        float* x = row + h * d;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], bb = x[i + half];
+          x[i] = a * c[i] - bb * s[i];
+          x[i + half] = bb * c[i + half] + a * s[i + half];
+        }
+      }
+      std::copy(row + hq * d, row + hq * d + kv, kc + sl[t] * kv);
+      std::copy(row + hq * d + kv, row + hq * d + 2 * kv, vc + sl[t] * kv);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while it runs, as torch's own ops do: submitter threads keep going.
   m.def("paged_decode", &paged_decode, "paged decode attention over pages read in place (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32, CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
