@@ -48,11 +48,26 @@ HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16"))
                'fp16 cannot hold this layer\'s residual stream')
 
 
+
+def _row_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over everything but the token axis; the compiled op on CPU float32 (one pass,
+    no thread fork per small tensor), torch elsewhere. NaN propagates either way."""
+    x2 = x.reshape(x.shape[0], -1)
+    if x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.stride(-1) == 1:
+        from workbench.engine.model import _kernel
+        k = _kernel()
+        if k is not None:
+            return k.row_absmax(x2)
+    return x2.abs().amax(dim=1)
+
+
 class _Tap:
     """What ModelHooks calls; each method already guarded by the probe."""
 
-    def __init__(self, on_kv, on_hidden):
+    def __init__(self, on_kv, on_hidden, on_q=None):
         self.on_kv, self.on_hidden = on_kv, on_hidden
+        if on_q is not None:
+            self.on_q = on_q
 
     def on_scores(self, *a, **kw) -> None:     # part of the tap protocol; the bound is computed in on_kv
         pass
@@ -84,7 +99,8 @@ class FP16OverflowProbe(Probe):
         self._kv_scaled = bool(getattr(engine, "kv_scaled", False))
         self._act_fp16 = m.dtype == torch.float16
         self._score_scale = engine.attn.scale
-        self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden))
+        self._q = None
+        self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden), self.guard(self._on_q))
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
@@ -113,25 +129,33 @@ class FP16OverflowProbe(Probe):
             m = self.engine.model
             self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), m.embed)
 
+    def _on_q(self, layer, q) -> None:
+        self._q = q                      # this layer's queries [T, Hq, D]; read in _on_kv right after
+
     def _on_kv(self, layer, k, v, batch) -> None:
         if layer == 0:
             self._begin(batch)
         if not self._active:
+            self._q = None
             return
-        self._tk[layer] = k.abs().amax(dim=(1, 2))
-        self._tv[layer] = v.abs().amax(dim=(1, 2))
+        self._tk[layer] = _row_absmax(k)
+        self._tv[layer] = _row_absmax(v)
         if self.scores and self._h_in is not None:
             m = self.engine.model
-            L = m.layers[layer]
-            q = L.qkv(rms_norm(self._h_in, L.norm_attn, m.cfg.rms_norm_eps))[:, : m.q_size]
-            qn = q.float().view(q.shape[0], -1, m.cfg.head_dim).norm(dim=-1).amax()
+            if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
+                q = self._q.index_select(0, self._rows)
+            else:                        # a model that does not hand q to its hooks: recompute it
+                L = m.layers[layer]
+                q = L.qkv(rms_norm(self._h_in, L.norm_attn, m.cfg.rms_norm_eps))[:, : m.q_size]
+            self._q = None
+            qn = q.float().reshape(q.shape[0], -1, m.cfg.head_dim).norm(dim=-1).amax()
             kn = k.float().norm(dim=-1).amax()
             self._qk[layer] = torch.stack([qn, kn])
 
     def _on_hidden(self, layer, h, batch) -> None:
         if not self._active:
             return
-        self._th[layer] = h.abs().amax(dim=1)
+        self._th[layer] = _row_absmax(h)
         if self.scores:
             self._h_in = h.index_select(0, self._rows)
         if layer == self._L - 1:

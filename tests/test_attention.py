@@ -152,3 +152,14 @@ def test_compiled_rms_norm_and_rope_write_match_torch(rows):
     with pytest.raises(IndexError, match="out of bounds"):
         kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, bad, HQ, HKV)
     assert torch.equal(kc, before)
+
+
+def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
+    need_kernel()
+    x = torch.randn(40, 3, 64)
+    x[3, 1, 5], x[7, 0, 0], x[9, 2, 63] = float("nan"), float("inf"), -float("inf")
+    got = native.kernel().row_absmax(x.reshape(40, -1))
+    ref = x.abs().amax(dim=(1, 2))
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[~ref.isnan()], ref[~ref.isnan()])
+    strided = torch.randn(5, 100)[:, 10:74]                  # rows with a stride, as k/v views of qkv are
+    assert torch.equal(native.kernel().row_absmax(strided), strided.abs().amax(dim=1))

@@ -282,3 +282,20 @@ def test_smollm2_fp16_answers_garbage_and_fp16_scaled_answers_like_fp32(smollm2_
     bad = got["float16"]
     assert bad.token_ids != ref.token_ids and "Paris" not in bad.text
     assert got["float16_errors"] and got["float16_errors"][0].layer == fault.layer == 15
+
+
+def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir):
+    """The probe takes q from the model's hook (no extra qkv matmul); RoPE preserves per-head
+    norms, so the bound must equal the one recomputed from the layer input."""
+    bounds = []
+    for hand_q in (True, False):
+        eng = engine(tiny_llama_dir, "float32")
+        wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+        probe = wb.probe("fp16_overflow")
+        if not hand_q:
+            del probe._tap.on_q                                     # as a model that does not pass q
+        eng.generate(prompts(3, seed=7), GREEDY)
+        bounds.append(probe.frame()["score_bound"].to_numpy())
+        wb.detach()
+    assert len(bounds[0]) > 0 and np.isfinite(bounds[0]).all()
+    assert np.allclose(bounds[0], bounds[1], rtol=1e-4)

@@ -6,11 +6,26 @@ with nothing attached the hot path sees `None` checks and nothing else.
 """
 from __future__ import annotations
 
+import torch
+
 from ..events import (AttentionRead, EventBus, KVWritten, PagesAllocated, PagesEvicted, PagesFreed,
                       PagesShared, now_ns)
 
 POOL_EVENTS = {"allocated": PagesAllocated, "freed": PagesFreed, "shared": PagesShared,
                "evicted": PagesEvicted}
+
+
+def _absmax(x) -> float:
+    """max |x| as a float: the compiled one-pass op on CPU float32, torch elsewhere."""
+    if x.numel() == 0:
+        return 0.0
+    x2 = x.reshape(x.shape[0], -1)
+    if x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.stride(-1) == 1:
+        from .model import _kernel
+        k = _kernel()
+        if k is not None:
+            return k.absmax(x2)
+    return float(x2.abs().max())
 
 
 class ModelHooks:
@@ -22,12 +37,13 @@ class ModelHooks:
         self.kv_bytes_per_page_layer = engine.kv.bytes_per_page // max(1, engine.model_config.num_layers)
         self.taps: list = []            # objects with on_kv / on_hidden / on_scores (fp16 probe)
 
-    def on_kv(self, layer, k, v, batch) -> None:
+    def on_kv(self, layer, k, v, batch, q=None) -> None:
         bus = self.bus
         if bus.wants(KVWritten):
-            bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, float(k.abs().max()),
-                               float(v.abs().max()), int(k.shape[0])))
+            bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, _absmax(k), _absmax(v), int(k.shape[0])))
         for t in self.taps:
+            if q is not None and hasattr(t, "on_q"):     # the fp16 probe's score bound reads q
+                t.on_q(layer, q)
             t.on_kv(layer, k, v, batch)
 
     def on_attention(self, layer, batch, bt_read) -> None:

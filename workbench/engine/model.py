@@ -130,13 +130,13 @@ class LlamaModel:
                 k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
                 v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                 if hooks is not None:                # the values a probe sees are the ones stored
-                    hooks.on_kv(i, k, v, batch)
+                    hooks.on_kv(i, k, v, batch, q=q)
             else:
                 qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two
                 v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                 if hooks is not None:
-                    hooks.on_kv(i, k, v, batch)
+                    hooks.on_kv(i, k, v, batch, q=q)
                 attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
             if hooks is not None:

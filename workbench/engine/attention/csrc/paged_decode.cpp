@@ -263,9 +263,58 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   });
 }
 
+// Per-row max |x| of x [R, C] (contiguous rows), NaN-propagating like torch.amax: the
+// fp16_overflow probe's K/V/hidden measurements, without an OpenMP fork per small tensor.
+torch::Tensor row_absmax(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "row_absmax: float32 [R, C] with contiguous rows");
+  const int64_t rows = x.size(0), cols = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
+    for (int64_t r = b; r < end; ++r) {
+      const float* xr = xp + r * xs;
+      float m = 0.f;
+      bool nan = false;
+      for (int64_t i = 0; i < cols; ++i) {
+        const float a = std::fabs(xr[i]);
+        nan |= (a != a);
+        m = a > m ? a : m;
+      }
+      op[r] = nan ? NAN : m;
+    }
+  });
+  return out;
+}
+
+// max |x| over all of x [R, C] (contiguous rows) as a Python float, NaN-propagating: the
+// KVWritten event's absmax of K and of V, every layer of every logged step.
+double absmax(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "absmax: float32 [R, C] with contiguous rows");
+  const int64_t rows = x.size(0), cols = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  float m = 0.f;
+  bool nan = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * xs;
+    for (int64_t i = 0; i < cols; ++i) {
+      const float a = std::fabs(xr[i]);
+      nan |= (a != a);
+      m = a > m ? a : m;
+    }
+  }
+  return nan ? NAN : m;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while it runs, as torch's own ops do: submitter threads keep going.
   m.def("paged_decode", &paged_decode, "paged decode attention over pages read in place (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("row_absmax", &row_absmax, "max |x| per row, NaN-propagating (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("absmax", &absmax, "max |x| over a tensor, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32, CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32, CPU)",
