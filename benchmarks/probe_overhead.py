@@ -5,7 +5,7 @@ switching it off (it is compiled into the step), so it is counted: every emissio
 site is one `bus.wants(EventType)` set lookup; we count the lookups per step in a
 counting run, time one lookup over 10^6 calls, and report lookups x cost / step time.
 
-    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 2]
+    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each; best is kept")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each; best is kept")
     a = ap.parse_args(argv)
     prompts = workload(a.requests)
     engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))

@@ -99,7 +99,7 @@ class FP16OverflowProbe(Probe):
         self._kv_scaled = bool(getattr(engine, "kv_scaled", False))
         self._act_fp16 = m.dtype == torch.float16
         self._score_scale = engine.attn.scale
-        self._q = None
+        self._q, self._recompute = None, False
         self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden), self.guard(self._on_q))
         instrumentation.add_tap(engine, self._tap)
 
@@ -125,7 +125,11 @@ class FP16OverflowProbe(Probe):
         self._tk, self._tv, self._th = [None] * L, [None] * L, [None] * L
         self._qk = [None] * L
         self._rows = (batch.cu_seqlens_q[1:].long() - 1)            # last token of each sequence
-        if self.scores:
+        # q for the score bound: from the model's hook (on_q came before this on_kv), else
+        # recomputed from each layer's input rows, which are then tracked through the layers
+        self._recompute = self.scores and self._q is None
+        self._h_in = None
+        if self._recompute:
             m = self.engine.model
             self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), m.embed)
 
@@ -140,7 +144,7 @@ class FP16OverflowProbe(Probe):
             return
         self._tk[layer] = _row_absmax(k)
         self._tv[layer] = _row_absmax(v)
-        if self.scores and self._h_in is not None:
+        if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
                 q = self._q.index_select(0, self._rows)
@@ -156,7 +160,7 @@ class FP16OverflowProbe(Probe):
         if not self._active:
             return
         self._th[layer] = _row_absmax(h)
-        if self.scores:
+        if self._recompute:
             self._h_in = h.index_select(0, self._rows)
         if layer == self._L - 1:
             self._active = False
