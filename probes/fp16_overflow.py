@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.engine import instrumentation
+from workbench.engine.attention.native import row_absmax
 from workbench.engine.model import rms_norm
 from workbench.probe import Probe
 
@@ -47,18 +48,6 @@ HINT = ('store the KV cache as fp16 with a scale per page: EngineConfig(kv_cache
 HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16")) or float32; '
                'fp16 cannot hold this layer\'s residual stream')
 
-
-
-def _row_absmax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over everything but the token axis; the compiled op on CPU float32 (one pass,
-    no thread fork per small tensor), torch elsewhere. NaN propagates either way."""
-    x2 = x.reshape(x.shape[0], -1)
-    if x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.stride(-1) == 1:
-        from workbench.engine.model import _kernel
-        k = _kernel()
-        if k is not None:
-            return k.row_absmax(x2)
-    return x2.abs().amax(dim=1)
 
 
 class _Tap:
@@ -142,8 +131,8 @@ class FP16OverflowProbe(Probe):
         if not self._active:
             self._q = None
             return
-        self._tk[layer] = _row_absmax(k)
-        self._tv[layer] = _row_absmax(v)
+        self._tk[layer] = row_absmax(k)
+        self._tv[layer] = row_absmax(v)
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
@@ -159,7 +148,7 @@ class FP16OverflowProbe(Probe):
     def _on_hidden(self, layer, h, batch) -> None:
         if not self._active:
             return
-        self._th[layer] = _row_absmax(h)
+        self._th[layer] = row_absmax(h)
         if self._recompute:
             self._h_in = h.index_select(0, self._rows)
         if layer == self._L - 1:

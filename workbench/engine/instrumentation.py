@@ -6,26 +6,13 @@ with nothing attached the hot path sees `None` checks and nothing else.
 """
 from __future__ import annotations
 
-import torch
 
+from .attention import native
 from ..events import (AttentionRead, EventBus, KVWritten, PagesAllocated, PagesEvicted, PagesFreed,
                       PagesShared, now_ns)
 
 POOL_EVENTS = {"allocated": PagesAllocated, "freed": PagesFreed, "shared": PagesShared,
                "evicted": PagesEvicted}
-
-
-def _absmax(x) -> float:
-    """max |x| as a float: the compiled one-pass op on CPU float32, torch elsewhere."""
-    if x.numel() == 0:
-        return 0.0
-    x2 = x.reshape(x.shape[0], -1)
-    if x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.stride(-1) == 1:
-        from .model import _kernel
-        k = _kernel()
-        if k is not None:
-            return k.absmax(x2)
-    return float(x2.abs().max())
 
 
 class ModelHooks:
@@ -40,7 +27,8 @@ class ModelHooks:
     def on_kv(self, layer, k, v, batch, q=None) -> None:
         bus = self.bus
         if bus.wants(KVWritten):
-            bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, _absmax(k), _absmax(v), int(k.shape[0])))
+            bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, native.absmax(k), native.absmax(v),
+                               int(k.shape[0])))
         for t in self.taps:
             if q is not None and hasattr(t, "on_q"):     # the fp16 probe's score bound reads q
                 t.on_q(layer, q)

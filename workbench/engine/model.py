@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import native
 from .attention.base import AttentionBackend
 from .attention.torch_ref import TorchPagedAttention
 from .batch import PackedBatch
@@ -18,21 +19,9 @@ from .linear import Linear
 from .model_config import ModelConfig
 
 
-def _kernel():
-    """The compiled CPU ops (attention/native.py), or None."""
-    global _KERNEL
-    if _KERNEL is False:
-        from .attention import native
-        _KERNEL = native.kernel()
-    return _KERNEL
-
-
-_KERNEL = False
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _kernel() is not None:
-        return _kernel().rms_norm(x, w, eps)           # one pass, no OpenMP fork at decode sizes
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and native.kernel() is not None:
+        return native.kernel().rms_norm(x, w, eps)     # one pass, no OpenMP fork at decode sizes
     if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
@@ -115,17 +104,17 @@ class LlamaModel:
         sin = self.sin.index_select(0, batch.positions)
         # RoPE and the K/V store fused in one compiled pass where the caches take a plain
         # float32 write by slot (the layout contract); the torch path everywhere else.
-        native = _kernel() if (self.device.type == "cpu" and self.dtype == torch.float32 and kv.k
+        fused = native.kernel() if (self.device.type == "cpu" and self.dtype == torch.float32 and kv.k
                                and kv.k[0].dtype == torch.float32 and kv.k[0].is_contiguous()
                                and type(attn).write_kv is TorchPagedAttention.write_kv) else None
-        if native is None:
+        if fused is None:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)
-            if native is not None and qkv.is_contiguous():   # rotate in place, store k, v at their slots
-                native.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping, hq, hkv)
+            if fused is not None and qkv.is_contiguous():    # rotate in place, store k, v at their slots
+                fused.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping, hq, hkv)
                 q = qkv[:, : self.q_size].view(t, hq, hd)
                 k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
                 v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)

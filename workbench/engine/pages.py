@@ -76,18 +76,6 @@ class PagePool:
         if self.page_hash[p] is not None:
             self.num_cached_free -= 1
 
-    def _push_tail(self, p: int) -> None:
-        self._prev[p], self._next[p] = self._tail, NIL
-        if self._tail == NIL:
-            self._head = p
-        else:
-            self._next[self._tail] = p
-        self._tail = p
-        self._is_free[p] = True
-        self.num_free += 1
-        if self.page_hash[p] is not None:
-            self.num_cached_free += 1
-
     def free_order(self) -> list[int]:
         """Free pages from next-to-evict to most recently freed (for views and tests)."""
         out, p = [], self._head
@@ -165,7 +153,7 @@ class PagePool:
                 if r <= 0:
                     raise RuntimeError(f"page {p} freed with refcount {r}")
                 ref[p] = r - 1
-                if r == 1:                           # _push_tail, inlined (hot in replays)
+                if r == 1:                           # onto the free queue's tail, inlined (hot in replays)
                     prv[p], nxt[p] = tail, NIL
                     if tail == NIL:
                         self._head = p

@@ -24,6 +24,7 @@ from .torch_ref import TorchPagedAttention
 
 @dataclass
 class NativeDecode:
+    tables: torch.Tensor     # the bound device block tables the kernel reads
     tok: torch.Tensor        # [Bd] int64: row of each decode query in the packed batch
     rows: torch.Tensor       # [Bd] int64: its row in the bound block table
     lens: torch.Tensor       # [Bd] int32: context length (tokens to attend over)
@@ -47,7 +48,7 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().plan_decode(batch, rows_all)
         ctx, cu, ps = batch.context_lens_np, batch.cu_seqlens_q_np, batch.page_size
         lens = ctx[rows_all]
-        plan = NativeDecode(torch.from_numpy(cu[rows_all].astype(np.int64)),
+        plan = NativeDecode(batch.block_tables, torch.from_numpy(cu[rows_all].astype(np.int64)),
                             torch.from_numpy(rows_all.astype(np.int64)),
                             torch.from_numpy(lens.astype(np.int32)))
         return [plan], int((-(-lens // ps)).sum())
@@ -58,12 +59,10 @@ class CpuPagedAttention(TorchPagedAttention):
                 raise RuntimeError("compiled decode planned for a float32 cache; got "
                                    f"cache {k_cache.dtype}, q {q.dtype}")
             p = groups[0]
-            self.kernel.paged_decode(q, out, k_cache, v_cache, self._bound_tables, p.tok, p.rows, p.lens,
-                                     self.scale)
+            self.kernel.paged_decode(q, out, k_cache, v_cache, p.tables, p.tok, p.rows, p.lens, self.scale)
             return
         super().decode(q, k_cache, v_cache, groups, out)
 
     def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
-        self._bound_tables = batch.block_tables
         self.cache_dtype, self.q_dtype = k_cache.dtype, q.dtype
         return super().forward(q, k, v, k_cache, v_cache, batch)

@@ -12,6 +12,8 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
@@ -29,6 +31,8 @@ def build_dir() -> Path:
 
 def kernel():
     """The loaded extension module, or None (with the reason in `unavailable_reason()`)."""
+    if "module" in _state:               # the hot path (rms_norm every layer): no lock once loaded
+        return _state["module"]
     with _lock:
         if "module" in _state:
             return _state["module"]
@@ -37,8 +41,7 @@ def kernel():
             why = "PAGEDKV_ATTENTION=torch"
         else:
             try:
-                import torch  # noqa: F401  (libgomp must be loaded before the extension links to it)
-                from torch.utils.cpp_extension import load
+                from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
                 mod = load(name="pagedkv_paged_decode", sources=[str(SOURCE)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir()), verbose=False)
@@ -47,6 +50,29 @@ def kernel():
                 log.warning("compiled CPU decode attention unavailable (%s): using the torch path", why)
         _state["module"], _state["why"] = mod, why
         return mod
+
+
+def _rows(x: torch.Tensor):
+    """x as [tokens, everything else] when the compiled ops can read it (CPU float32, contiguous
+    rows), else None."""
+    x2 = x.reshape(x.shape[0], -1)
+    ok = x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.stride(-1) == 1
+    return x2 if ok and kernel() is not None else None
+
+
+def row_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over everything but the first axis, NaN-propagating: compiled on CPU float32 (one
+    pass, no thread fork per small tensor), torch elsewhere."""
+    x2 = _rows(x)
+    return kernel().row_absmax(x2) if x2 is not None else x.reshape(x.shape[0], -1).abs().amax(dim=1)
+
+
+def absmax(x: torch.Tensor) -> float:
+    """max |x| as a float, NaN-propagating; compiled on CPU float32, torch elsewhere."""
+    if x.numel() == 0:
+        return 0.0
+    x2 = _rows(x)
+    return kernel().absmax(x2) if x2 is not None else float(x.abs().max())
 
 
 def unavailable_reason() -> str | None:
