@@ -14,6 +14,10 @@ PROBES = {
     "bandwidth": "probes.bandwidth:BandwidthProbe",
     "leak": "probes.leak:LeakProbe",
     "pool": "probes.pool:PoolProbe",
+    "packing": "probes.packing:PackingProbe",
+    "pool_accounting": "probes.pool_accounting:PoolAccountingProbe",
+    "prefix_cache": "probes.prefix_cache:PrefixCacheProbe",
+    "shadow": "probes.shadow:ShadowProbe",
 }
 
 

@@ -90,6 +90,13 @@ class PagesEvicted(Event):
     pages: tuple          # cached-free pages whose prefix hash was dropped for reuse
 
 
+@dataclass(slots=True)
+class PagesRegistered(Event):
+    pages: tuple          # full pages just entered in the prefix cache
+    page_indices: tuple   # each page's index in the registering sequence (its position / page_size)
+    request_id: int | None = None     # the sequence whose K/V the pages hold
+
+
 # ---- the step --------------------------------------------------------------
 @dataclass(slots=True)
 class BlockTableBound(Event):
@@ -147,6 +154,13 @@ class StepFinished(Event):
     num_preemptions: int
 
 
+@dataclass(slots=True)
+class EngineIdle(Event):
+    """The engine has nothing left to run (no request running, waiting or queued)."""
+    pages_used: int
+    pages_cached: int
+
+
 # ---- locks -----------------------------------------------------------------
 @dataclass(slots=True)
 class LockWaited(Event):
@@ -166,8 +180,8 @@ class LockHeld(Event):
 
 EVENT_TYPES: tuple[type, ...] = (
     RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
-    PagesAllocated, PagesFreed, PagesShared, PagesEvicted,
-    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, LockWaited, LockHeld,
+    PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered,
+    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, LockWaited, LockHeld,
 )
 EVENT_BY_NAME = {t.__name__: t for t in EVENT_TYPES}
 

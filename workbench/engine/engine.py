@@ -17,7 +17,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-from ..events import (BatchPacked, BlockTableBound, EventBus, RequestAdmitted, RequestArrived,
+from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, RequestAdmitted, RequestArrived,
                       RequestFinished, RequestPreempted, StepFinished, now_ns)
 from ..events import RequestRejected as RequestRejectedEvent
 from ..locks import InstrumentedLock
@@ -100,6 +100,8 @@ class Engine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.step_count = 0
         self.last_batch: PackedBatch | None = None
+        self.last_schedule: SchedulerOutput | None = None   # what the scheduler decided for last_batch
+        self._idle = True                                   # EngineIdle is emitted on the way into idle
         self._seqs: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._notices: queue.SimpleQueue = queue.SimpleQueue()   # rejections, for the event stream
@@ -237,8 +239,11 @@ class Engine:
                                    f"({head.num_tokens} tokens) cannot be admitted into an idle pool "
                                    f"of {self.pool.num_free}/{self.num_pages} free pages")
             self._publish_stats()
+            self._note_idle()
             return outputs
+        self._idle = False
         self._emit_schedule(sched)
+        self.last_schedule = sched
         with self.lock:
             batch = self.builder.build(sched.scheduled)
         self.last_batch = batch
@@ -271,7 +276,16 @@ class Engine:
         if bus.wants(StepFinished):
             self._emit_step(batch, time.perf_counter_ns() - t0)
         self._publish_stats()
+        self._note_idle()
         return outputs
+
+    def _note_idle(self) -> None:
+        """Emit EngineIdle once, when the last request has left (finished, aborted or rejected)."""
+        if self._idle or self.scheduler.has_unfinished() or not self._inbox.empty():
+            return
+        self._idle = True
+        if self.bus.wants(EngineIdle):
+            self.bus.emit(EngineIdle(self.step_count, now_ns(), self.pool.num_used, self.pool.num_cached_free))
 
     # ---- events --------------------------------------------------------------
     def _emit_schedule(self, sched: SchedulerOutput) -> None:
@@ -385,9 +399,13 @@ class Engine:
                 ids = self._prompt_ids(prompt)
                 self.validate_prompt(ids)
                 seq = Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1)
+                self.pool.actor = seq.request_id
                 seq.pages = self.pool.allocate(pages_for(len(ids), self.config.page_size))
+                seq.page_generations = [self.pool.generation[p] for p in seq.pages]
                 seqs.append(seq)
-            batch = self.builder.build([(s, s.num_tokens) for s in seqs], all_logits=True)
+            scheduled = [(s, s.num_tokens) for s in seqs]
+            self.last_schedule = SchedulerOutput(scheduled=scheduled)
+            batch = self.builder.build(scheduled, all_logits=True)
             logits = self.model.forward(batch, self.kv, self.attn)
         finally:
             for s in seqs:

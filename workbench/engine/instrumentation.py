@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from .attention import native
 from ..events import (AttentionRead, EventBus, KVWritten, PagesAllocated, PagesEvicted, PagesFreed,
-                      PagesShared, now_ns)
+                      PagesRegistered, PagesShared, now_ns)
 
+# The one map from a pool callback's kind to its event type (the engine and the simulator).
 POOL_EVENTS = {"allocated": PagesAllocated, "freed": PagesFreed, "shared": PagesShared,
-               "evicted": PagesEvicted}
+               "evicted": PagesEvicted, "registered": PagesRegistered}
 
 
 class ModelHooks:
@@ -34,7 +35,12 @@ class ModelHooks:
                 t.on_q(layer, q)
             t.on_kv(layer, k, v, batch)
 
-    def on_attention(self, layer, batch, bt_read) -> None:
+    def on_attention(self, layer, batch, bt_read, o=None) -> None:
+        """After layer's attention: o [T, Hq, D] is what the paged path produced."""
+        for t in self.taps:
+            fn = getattr(t, "on_attention_out", None)
+            if fn is not None and o is not None:
+                fn(layer, o, batch)
         bus = self.bus
         if bus.wants(AttentionRead):
             bt = self.engine.builder.block_tables
@@ -57,6 +63,8 @@ def pool_event(kind: str, pages, pool, step: int, t_ns: int, **detail):
         return PagesFreed(step, t_ns, pages, actor, detail.get("cached", ()), detail.get("still_shared", ()))
     if kind == "shared":
         return PagesShared(step, t_ns, pages, actor)
+    if kind == "registered":
+        return PagesRegistered(step, t_ns, pages, detail.get("indices", ()), actor)
     return PagesEvicted(step, t_ns, pages)
 
 

@@ -115,7 +115,13 @@ class KVCacheManager:
             return
         self.chain(seq, num_full - 1)
         memo, pages, register = seq.hash_chain, seq.pages, self.pool.register
+        entered, indices = [], []
         for i in range(len(hashes), num_full):
             h, block = memo[i]
             hashes.append(h)
-            register(pages[i], h, block)
+            if register(pages[i], h, block, i, memo[i - 1][0] if i else None):
+                entered.append(pages[i])
+                indices.append(i)
+        if entered and self.pool.observer is not None:
+            self.pool.actor = seq.request_id
+            self.pool.notify_registered(entered, indices)

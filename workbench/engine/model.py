@@ -129,7 +129,7 @@ class LlamaModel:
                 attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
             if hooks is not None:
-                hooks.on_attention(i, batch, batch.block_tables)
+                hooks.on_attention(i, batch, batch.block_tables, o)
             h = L.o.add(o.reshape(t, hq * hd), h)                 # h + o_proj(o)
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
             h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)

@@ -46,6 +46,11 @@ class PagePool:
         self.generation = [0] * n
         self.page_hash: list[int | None] = [None] * n
         self.page_tokens: list[tuple | None] = [None] * n
+        # Where a cached page was computed: its index in the registering sequence and the
+        # chained hash of the page before it (None for a first page), so a prefix hit can be
+        # checked against the requester's own position and history.
+        self.page_index: list[int] = [-1] * n
+        self.page_parent: list[int | None] = [None] * n
         self.cached: dict[int, int] = {}          # prefix hash -> page id
         # Free queue as index-linked list: O(1) pop at head, push at tail, unlink anywhere.
         self._prev = list(range(-1, n - 1))
@@ -109,6 +114,8 @@ class PagePool:
                     del self.cached[h]
                 page_hash[p] = None
                 self.page_tokens[p] = None
+                self.page_index[p] = -1
+                self.page_parent[p] = None
             gen[p] += 1
             ref[p] = 1
             pages.append(p)
@@ -182,15 +189,26 @@ class PagePool:
             return None
         return p
 
-    def register(self, p: int, h: int, tokens: tuple) -> None:
-        """Mark a full, in-use page as holding the prefix identified by h."""
+    def register(self, p: int, h: int, tokens: tuple, index: int = -1, parent: int | None = None) -> bool:
+        """Mark a full, in-use page as holding the prefix identified by h; True if it was entered.
+
+        index: the page's index in the sequence that computed it; parent: the chained hash
+        of the page before it (None for a first page)."""
         if not self.enable_prefix_caching or self.page_hash[p] is not None:
-            return
+            return False
         if h in self.cached:          # same content computed twice in one batch: keep the first
-            return
+            return False
         self.cached[h] = p
         self.page_hash[p] = h
         self.page_tokens[p] = tokens
+        self.page_index[p] = index
+        self.page_parent[p] = parent
+        return True
+
+    def notify_registered(self, pages: list[int], indices: list[int]) -> None:
+        """Tell the observer which pages register() just entered (one call per sequence and step)."""
+        if self.observer is not None and pages:
+            self.observer("registered", pages, indices=tuple(indices))
 
     def forget(self, pages: Iterable[int]) -> list[int]:
         """Drop the prefix hash of these pages (a prefix-cache flush); returns those that had one.
@@ -207,7 +225,8 @@ class PagePool:
                 del self.cached[h]
             if self._is_free[p]:
                 self.num_cached_free -= 1
-            self.page_hash[p] = self.page_tokens[p] = None
+            self.page_hash[p] = self.page_tokens[p] = self.page_parent[p] = None
+            self.page_index[p] = -1
             dropped.append(p)
         if self.observer is not None and dropped:
             self.observer("evicted", dropped)

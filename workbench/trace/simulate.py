@@ -10,15 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.config import EngineConfig
-from ..engine.instrumentation import pool_event
+from ..engine.instrumentation import POOL_EVENTS as _POOL_EVENTS, pool_event
 from ..engine.kv_manager import KVCacheManager, pages_for
 from ..engine.pages import PagePool
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import SamplingParams, Sequence
-from ..events import (BatchPacked, EventBus, PagesAllocated, PagesEvicted, PagesFreed, PagesShared,
-                      RequestAdmitted, RequestArrived, RequestFinished, RequestPreempted, StepFinished)
-
-_POOL_EVENTS = {"allocated": PagesAllocated, "freed": PagesFreed, "shared": PagesShared, "evicted": PagesEvicted}
+from ..events import (BatchPacked, EventBus, RequestAdmitted, RequestArrived, RequestFinished, RequestPreempted, StepFinished)
 
 
 @dataclass
