@@ -1,12 +1,16 @@
 """page_table: the block table the kernels read, checked against the pool that owns the pages.
 
 Per forward (vectorised numpy over the [B, W] table, read once at layer 0 through a
-model-hook tap, before any page is read):
-- page ids outside [0, num_pages) in the bound table (kernels do not validate them);
+model-hook tap, before any page is read), on the bytes of the bound device table the
+kernels read (not its version stamp):
+- ground truth: every row, over the columns its context reads, equals the page list of
+  the sequence in that batch position (rebuilt from the sequences, probes/packing.py);
+  a mismatch names the request, row, column, the page read and the page meant, the crc
+  of the bytes read and whether the staged host rows or the bind went wrong;
+- page ids outside [0, num_pages) (kernels do not validate them);
 - all-zero rows for sequences that map non-zero pages (vllm #7003);
-- stale binding: the version a kernel read (AttentionRead.block_table_version) is not the
-  one current for the step (BlockTables.host_version); the finding names the rows whose
-  read pages differ from the page table.
+- stale binding, the cheap first signal: the version a kernel read
+  (AttentionRead.block_table_version) is not the one current for the step.
 On every freed page (PagesFreed): a page freed while a live sequence still maps it.
 Every `every` steps (StepFinished), a scan of the live page tables against the pool:
 - pages mapped by a live sequence but free in the pool;
@@ -31,6 +35,9 @@ from workbench.engine import instrumentation
 from workbench.events import AttentionRead, PagesFreed, StepFinished
 from workbench.probe import Probe
 
+from . import invariants
+from .packing import batch_reference
+
 HINT_RANGE = ("kernels (Ascend paged attention, flash_attn_with_kvcache) do not validate block ids: find "
               "who wrote this row (a table sized for another pool, an unmasked padding id, an id from "
               "another card's pool) and check ids in [0, num_pages) at bind time in debug builds")
@@ -38,6 +45,9 @@ HINT_ZERO = ("a live sequence's row was all zeros, so the kernel read page 0 for
              "#7003, mixed cached/non-cached batch): fill every row of the block table for every batch")
 HINT_STALE = ("bind the block tables before the kernel launch (BatchBuilder.build(bind=True), "
               "BlockTables.bind() before model.forward); assert not BlockTables.is_stale at launch")
+HINT_MISMATCH = ("the kernel reads pages other than the ones the request maps: check BlockTables.fill_host (rows "
+                 "in batch order, from each sequence's own page list) and bind() (the staged bytes, all rows, "
+                 "before the launch); the crc of the bytes read is in the evidence")
 HINT_FREED = ("a page was freed while a live sequence still maps it: a missing or dropped refcount "
               "(prefix sharing); PagePool.free must free only at ref 0 and every sharer must acquire")
 HINT_REF = ("refcount must equal the number of live page tables that map the page: look for a release "
@@ -48,12 +58,8 @@ HINT_REUSED = ("the page was handed out again while this request still reads it:
 MAX_PER_CHECK = 8          # findings one check may add (a broken table can have thousands of bad ids)
 
 
-def _ignore(*a, **kw) -> None:
-    pass
-
-
 class _TableTap:
-    """A model-hook tap: calls fn(batch) once per forward, at layer 0 before the KV write."""
+    """A model-hook tap: calls fn(batch) once per forward, at layer 0 before attention."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -62,10 +68,8 @@ class _TableTap:
         if layer == 0:
             self.fn(batch)
 
-    def __getattr__(self, name: str):
-        if name.startswith("on_"):          # the other per-layer hooks (on_hidden, ...): not needed
-            return _ignore
-        raise AttributeError(name)
+    def on_hidden(self, layer, h, batch) -> None:
+        pass
 
 
 def _host(t) -> np.ndarray:
@@ -109,13 +113,18 @@ class PageTableProbe(Probe):
     def check_table(self, batch) -> None:
         step = self.engine.step_count
         n = self.engine.pool.num_pages
-        a = _host(batch.block_tables)
+        raw = batch.block_tables.detach().to("cpu").contiguous()
+        a = raw.numpy().astype(np.int64)                 # a copy: the buffer is rewritten next bind
         self._batch, self._read = batch, a
         self.tables_checked += 1
         if a.size == 0:
             return
-        need = -(-batch.context_lens_np.astype(np.int64) // batch.page_size)      # pages each row maps
-        cols = np.arange(a.shape[1])[None, :] < need[:, None]
+        ref, _ = batch_reference(self.engine, batch)
+        need = ref.need                                   # pages each row maps, from the sequences' state
+        width = min(a.shape[1], ref.table.shape[1]) if a.ndim == 2 and a.shape[0] == len(need) else 0
+        cols = np.zeros_like(a, dtype=bool)
+        if width:
+            cols[:, :width] = np.arange(width)[None, :] < need[:, None]
         bad = ((a < 0) | (a >= n)) & cols
         if bad.any():
             for r, c in np.argwhere(bad)[:MAX_PER_CHECK]:
@@ -130,19 +139,63 @@ class PageTableProbe(Probe):
                     evidence={"row": int(r), "column": int(c), "page_read": pid, "page_meant": meant,
                               "num_pages": n, "table_rows": int(a.shape[0]), "table_width": int(a.shape[1])})
         # A row that reads its context from pages (not a whole-prompt prefill) but holds only zeros.
-        reads = batch.context_lens_np > batch.query_lens_np
-        zero = reads & ~((a != 0) & cols).any(axis=1)
+        reads = ref.context_lens > ref.q_lens
+        zero = reads & ~((a != 0) & cols).any(axis=1) if width else np.zeros(0, dtype=bool)
+        zero_rows = set()
         for r in np.nonzero(zero)[0][:MAX_PER_CHECK]:
             seq = batch.seqs[r]
             meant = seq.pages[: int(need[r])]
             if any(p != 0 for p in meant):
+                zero_rows.add(int(r))
                 self.report(
                     "error", f"request {seq.request_id}: its block table row is all zeros, it maps pages "
                              f"{meant[:8]}", hint=HINT_ZERO, kind="zero-row",
                     dedup=("zero-row", seq.request_id), step=step, request_id=seq.request_id,
                     page=int(next(p for p in meant if p != 0)),
                     evidence={"row": int(r), "pages_meant": list(meant[:64]),
-                              "context_len": int(batch.context_lens_np[r])})
+                              "context_len": int(ref.context_lens[r])})
+        # Ground truth: the bytes the kernel reads, row by row, against each sequence's page list.
+        wrong = [m for m in invariants.compare_table(a, ref, "block_tables", num_pages=n) if m.row not in zero_rows]
+        if wrong:
+            self._report_mismatch(batch, ref, a, raw, wrong, step)
+
+    def _report_mismatch(self, batch, ref, a: np.ndarray, raw, wrong: list, step: int) -> None:
+        bt = self.engine.builder.block_tables
+        crc_read = zlib.crc32(raw.numpy().tobytes())
+        crc_meant = zlib.crc32(ref.table.astype(np.int32).tobytes())
+        host = bt.host_view() if hasattr(bt, "host_view") else None
+        same_shape = host is not None and host.shape == a.shape
+        host_ok = same_shape and bool((host.astype(np.int64)[:, : ref.table.shape[1]] == ref.table).all()
+                                      if host.shape[1] >= ref.table.shape[1] else False)
+        dev_is_host = same_shape and bool((host == a).all())
+        if host_ok and not dev_is_host:
+            cause = ("the host staging rows are right, the device buffer the kernel reads is not: the bind "
+                     "published other bytes than the staged ones" + (" while stamping them current"
+                                                                    if bt.version == bt.host_version else ""))
+        elif not host_ok and dev_is_host:
+            cause = ("the staged host rows are already wrong (the bind copied them faithfully): the table was "
+                     "filled from other page lists or in another order than the batch's sequences")
+        else:
+            cause = "neither the staged host rows nor the device buffer match the sequences' page lists"
+        ev_common = {"crc_read": crc_read, "crc_meant": crc_meant, "version_read": bt.version,
+                     "version_current": bt.host_version, "host_rows_match": host_ok,
+                     "device_equals_host": dev_is_host, "cause": cause}
+        for m in wrong[:MAX_PER_CHECK]:
+            if m.row < 0:
+                self.report("error", f"the bound block table has {m.got} rows, the batch has {m.want} sequences",
+                            hint=HINT_MISMATCH, kind="block-table-mismatch", step=step,
+                            dedup=("block-table-shape", step), evidence={**ev_common})
+                continue
+            seq = batch.seqs[m.row]
+            need = int(ref.need[m.row])
+            self.report(
+                "error", f"request {seq.request_id}: the block table the kernel reads has page {m.got} at row "
+                         f"{m.row}, column {m.index}; the request's page list says {m.want} ({cause})",
+                hint=HINT_MISMATCH, kind="block-table-mismatch",
+                dedup=("block-table-mismatch", seq.request_id, m.index, m.got), step=step,
+                request_id=seq.request_id, page=m.want,
+                evidence={**ev_common, "row": m.row, "column": m.index, "page_read": m.got, "page_meant": m.want,
+                          "row_read": a[m.row, :need].tolist()[:64], "row_meant": ref.table[m.row, :need].tolist()[:64]})
 
     # ---- per layer: the version the kernel read ---------------------------------
     def on_read(self, e: AttentionRead) -> None:

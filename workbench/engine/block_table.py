@@ -59,6 +59,11 @@ class BlockTables:
         b, w = shape or self._staged_shape
         return self._dev[: b * w].view(b, w)
 
+    def host_view(self) -> np.ndarray:
+        """The staged host rows as [B, W] (what bind() publishes)."""
+        b, w = self._staged_shape
+        return self._host_np[: b * w].reshape(b, w)
+
     @property
     def is_stale(self) -> bool:
         return self.version != self.host_version

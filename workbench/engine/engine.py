@@ -86,13 +86,17 @@ class Engine:
         self.bus.on_change.append(lambda: instrumentation.refresh(self))
         # The page-table lock: scheduling, page allocation and binding happen under it.
         self.lock = InstrumentedLock("page_table", self.bus, lambda: self.step_count)
-        # page_table_lock="sharded": streams update their tables under a shard lock of their
-        # own and stats() reads a snapshot published after each step, so neither waits on
-        # (nor stalls) the step's lock. "global": both go through self.lock.
+        # Who else takes it (field note 6): with page_table_lock="global", every caller of
+        # add_request / abort registers under it, every stats() reader reads under it, and
+        # streams update their tables under it (table_lock() returns it), so each of them
+        # waits for the step's critical sections and makes the step wait. "sharded": those
+        # callers take only their request's / stream's shard lock (table_lock(key)) and
+        # stats() returns a snapshot the engine publishes (_publish_stats), so none of them
+        # ever takes self.lock; only the step (and reset_prefix_cache) still does.
         self.table_locks = ([InstrumentedLock(f"page_table[{i}]", self.bus, lambda: self.step_count)
                              for i in range(PAGE_TABLE_SHARDS)] if config.page_table_lock == "sharded" else [])
-        self._stats_lock = threading.Lock()
-        self._stats_snapshot: dict | None = None
+        self._stats_lock = threading.Lock()        # guards _stats_snapshot only (held for microseconds)
+        self._stats_snapshot: dict | None = None   # sharded: published at the end of __init__
         # Heartbeat for the watchdog: when the current (or last) step began, on which thread.
         self.step_started_ns = 0
         self.step_thread_id: int | None = None
@@ -111,6 +115,7 @@ class Engine:
         if config.capture_trace:
             from ..trace.capture import TraceCapture
             self.capture = TraceCapture(config.capture_trace)
+        self._publish_stats()       # sharded: stats() has a snapshot before the first step
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
                  num_pages, ps, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
                  self.max_model_len)
@@ -178,11 +183,37 @@ class Engine:
                        user_request_id=request_id)
         if self.capture is not None:
             self.capture.record(rid if request_id is None else request_id, ids, params, seq.arrival_time)
-        self._inbox.put(("add", seq))
+        # Register it: "global", under the step's page-table lock, as every stream's submission
+        # went in production (field note 6): it waits for the step's critical sections and the
+        # step waits for it. "sharded": under this request's shard lock only, never self.lock.
+        lock = self.table_lock(rid)
+        lock.acquire(site="engine.py add_request")
+        try:
+            if self.table_locks:
+                # Count it as waiting in the published snapshot now, not at the end of the next
+                # step. Bumped before the put: a publish racing with it may drop the bump (the
+                # request then shows from the next step's publish) but never counts it twice.
+                with self._stats_lock:
+                    self._stats_snapshot["num_waiting"] += 1
+            self._inbox.put(("add", seq))
+        finally:
+            lock.release()
         return rid
 
     def abort(self, request_id: int) -> None:
-        self._inbox.put(("abort", request_id))
+        """Abort a request: it finishes (reason 'abort') at the engine's next step, whose outputs
+        carry it. Unknown and finished ids are ignored. Registered like add_request: under the
+        step's lock ("global") or the request's shard lock only ("sharded")."""
+        lock = self.table_lock(request_id)
+        lock.acquire(site="engine.py abort")
+        try:
+            # The engine issues ids from 0 up: a negative one (generate()'s keys for rejected
+            # prompts, score()'s scratch sequences, lock_storm's streams) names nothing to
+            # finish, and queueing it would hold has_unfinished() true and EngineIdle off.
+            if not (isinstance(request_id, int) and request_id < 0):
+                self._inbox.put(("abort", request_id))
+        finally:
+            lock.release()
 
     def has_unfinished(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_unfinished()
@@ -193,9 +224,11 @@ class Engine:
         Live sequences keep their pages and references; only future hits are lost.
         Cached-free pages become plain free pages. Returns how many entries were dropped.
         """
-        with self.lock:
+        with self.lock:                 # it mutates the pool: the step's lock, in both modes
             self.pool.actor = None
-            return len(self.pool.forget(list(self.pool.cached.values())))
+            n = len(self.pool.forget(list(self.pool.cached.values())))
+            self._publish_stats()       # sharded: the snapshot shows the freed pages at once
+            return n
 
     # ---- the step (engine thread) ----------------------------------------
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -218,9 +251,10 @@ class Engine:
             else:
                 seq = self._seqs.pop(item, None)
                 if seq is not None:
-                    with self.lock:
+                    with self.lock:             # frees its pages: the step's lock, in both modes
                         self.scheduler.finish(seq, "abort")
                     seq.finish_time = time.perf_counter()
+                    self._publish_stats()       # sharded: stats() shows the abort before the step ends
                     self._emit_finished(seq)
                     aborted.append(self._output(seq))
 
@@ -251,7 +285,7 @@ class Engine:
             bt = self.builder.block_tables
             bus.emit(BlockTableBound(self.step_count, now_ns(), bt.version, bt.checksum, *bt.shape))
         if bus.wants(BatchPacked):
-            self._emit_packed(batch)
+            self._emit_packed(batch, sched)
         logits = self.model.forward(batch, self.kv, self.attn)
         with self.lock:
             for seq, n in sched.scheduled:
@@ -297,13 +331,15 @@ class Engine:
             for s in sched.admitted:
                 bus.emit(RequestAdmitted(step, now_ns(), s.request_id, s.num_cached_tokens, len(s.pages)))
 
-    def _emit_packed(self, batch: PackedBatch) -> None:
-        q = batch.query_lens_np
+    def _emit_packed(self, batch: PackedBatch, sched: SchedulerOutput) -> None:
+        # The lengths come from the scheduler's decision and the sequences' own state, not from
+        # the builder's copies: a probe then checks the packed tensors against what was meant.
+        q = [n for _, n in sched.scheduled]
         self.bus.emit(BatchPacked(
-            self.step_count, now_ns(), tuple(s.request_id for s in batch.seqs), tuple(q.tolist()),
-            tuple(batch.context_lens_np.tolist()), batch.num_tokens, int((q > 1).sum()), int((q == 1).sum()),
-            batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping, batch.max_seqlen_q,
-            batch.max_seqlen_k))
+            self.step_count, now_ns(), tuple(s.request_id for s, _ in sched.scheduled), tuple(q),
+            tuple(s.num_computed_tokens + n for s, n in sched.scheduled), sum(q), sum(1 for n in q if n > 1),
+            sum(1 for n in q if n == 1), batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping,
+            batch.max_seqlen_q, batch.max_seqlen_k))
 
     def _emit_finished(self, seq: Sequence) -> None:
         if self.bus.wants(RequestFinished):
@@ -414,24 +450,40 @@ class Engine:
         return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
 
     def stats(self) -> dict:
-        if self.table_locks:                   # sharded: the last published snapshot, no step lock
+        """Pool, queue and prefix-cache counters.
+
+        "global": read live under the step's page-table lock, so a reader waits for the step's
+        critical sections and the step waits for readers (field note 6). "sharded": a copy of
+        the snapshot the engine publishes, never the step's lock. It is published at
+        construction, at the end of every step, after each abort is applied and by
+        reset_prefix_cache; add_request adds its request to num_waiting at once. What stays
+        stale: while a step is in flight every counter is as of the end of the previous one
+        (pages it allocates, requests it admits or finishes, "steps"); an arrival whose bump
+        lost a race with a publish, and anything that changes the pool between steps other
+        than the paths above (a fault reserving pages), show from the next step's publish.
+        """
+        if self.table_locks:
             with self._stats_lock:
-                snap = self._stats_snapshot
-            if snap is not None:
-                return dict(snap)
-        pool = self.pool
-        with self.lock:
-            return self._stats(pool)
+                return dict(self._stats_snapshot)
+        self.lock.acquire(site="engine.py stats")
+        try:
+            return self._stats(self.pool)
+        finally:
+            self.lock.release()
 
     def _publish_stats(self) -> None:
-        # On the engine thread, which alone mutates pool and scheduler: no step lock needed.
+        # Sharded only. Called on the engine thread, which mutates pool and scheduler only there,
+        # or under the step's lock (reset_prefix_cache): the counters it reads are the engine's
+        # own. A step's publish racing with a reset_prefix_cache from another thread may store
+        # the pre-reset counts over the reset's: stale until the next step.
         if self.table_locks:
             snap = self._stats(self.pool)
             with self._stats_lock:
                 self._stats_snapshot = snap
 
     def table_lock(self, key: Any) -> InstrumentedLock:
-        """The lock a stream takes to update its page table: the global one, or its shard's."""
+        """The lock a stream takes for its own requests and page table (add_request and abort take
+        table_lock(request id)): the step's own lock with "global", the key's shard with "sharded"."""
         if not self.table_locks:
             return self.lock
         return self.table_locks[hash(key) % len(self.table_locks)]

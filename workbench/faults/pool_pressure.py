@@ -27,6 +27,9 @@ def long_tail_prompts(n: int, seed: int = 0, median: int = 24, p99: int = 320, v
     return [rng.integers(3, vocab, int(k)).tolist() for k in lens]
 
 
+RESERVATION = "pool_pressure reservation"
+
+
 class PoolPressure(Fault):
     name = "pool_pressure"
     symptom = "preemption storms and OOM on long-tail traffic"
@@ -45,11 +48,13 @@ class PoolPressure(Fault):
         with e.lock:
             take = max(0, min(pool.num_pages - keep, pool.num_free))
             self.pool = pool
+            pool.actor = RESERVATION          # a named owner: the pages belong to no request
             self.reserved = pool.allocate(take) if take else []
 
     def on_disable(self) -> None:
         with self.engine.lock:
             if self.reserved:
+                self.pool.actor = RESERVATION
                 self.pool.free(self.reserved)
             self.reserved = []
 

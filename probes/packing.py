@@ -1,0 +1,241 @@
+"""packing: every index tensor of a packed batch against the sequences' own state.
+
+Per forward (vectorised over tokens, read once at layer 0 through a model-hook tap), the
+reference is rebuilt from what each sequence itself holds — the tokens it had computed
+before the step, the chunk the scheduler gave it (engine.last_schedule), its page list
+and its token ids — never from the builder's outputs:
+
+- positions[t] == computed(seq) + t - start(seq): a RoPE position off by a chunk;
+- slot_mapping[t] == page_list[pos // ps] * ps + pos % ps: a K/V write into the wrong slot;
+- input_ids[t] == the sequence's token at that position;
+- every copy an attention backend plans from equals the reference, each named on its own:
+  query_lens_np, diff(cu_seqlens_q_np), cu_seqlens_q_np and the device cu_seqlens_q,
+  context_lens_np and the device context_lens, cu_seqlens_k, and torch_npu's cumulative
+  actual_seq_lengths / actual_seq_lengths_kv when the backend's plan carries them;
+- logits_indices: the last row of every sequence that samples this step;
+- after the step (StepFinished): each sequence's computed tokens advanced by its chunk.
+
+A finding names the token, the request and the copy that disagrees with the sequence's
+state (so a wrong host copy is not blamed on the device tensor, or the reverse).
+
+Cost: a few numpy passes over T tokens and B rows per forward (tens of microseconds at
+decode sizes), plus one host read of each index tensor (a device sync off CPU).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from workbench.engine import instrumentation
+from workbench.events import StepFinished
+from workbench.probe import Probe
+
+from . import invariants
+from .invariants import Mismatch, PackingReference
+
+HINTS = {
+    "positions": "positions must be each sequence's computed tokens + arange(chunk): check where the builder "
+                 "offsets positions (a chunk after a prefix hit or a preemption starts at num_computed_tokens)",
+    "slot-mapping": "slot_mapping must be page_list[pos // page_size] * page_size + pos % page_size: the K/V of "
+                    "this token is written into another token's (or another request's) slot",
+    "input-ids": "the packed token ids are not the sequence's tokens at those positions: check the slice "
+                 "token_ids[num_computed : num_computed + chunk] in the builder",
+    "lengths": "a length copy disagrees with the sequence's own state: the host copies the backend plans "
+               "from (query_lens_np, cu_seqlens_q_np, context_lens_np) must be built from the same lengths "
+               "as the device tensors, in the same step, and never edited afterwards",
+    "logits-indices": "the sampled rows must be the last token of each sequence that completes its prompt or "
+                      "decodes this step: a wrong row samples another token's logits",
+    "computed-tokens": "after a step each sequence's num_computed_tokens must advance by exactly the chunk it "
+                       "was scheduled; a drift makes the next step's positions and slots wrong",
+    "scheduled": "the batch holds a sequence the scheduler did not schedule this step (or lost one it did)",
+}
+
+
+def _np(t) -> np.ndarray | None:
+    if t is None:
+        return None
+    if hasattr(t, "detach"):
+        return t.detach().to("cpu").numpy().astype(np.int64).reshape(-1)
+    return np.asarray(t, dtype=np.int64).reshape(-1)
+
+
+_last: list = [None, None]        # (batch, reference): both probes of one forward share it
+
+
+def batch_reference(engine, batch) -> tuple[PackingReference, list[Mismatch]]:
+    """The reference for this batch from the sequences' state and the scheduler's decision,
+    and the mismatches between the scheduler's decision and the batch's membership."""
+    if _last[0] is batch:
+        return _last[1]
+    seqs = batch.seqs
+    sched = getattr(engine, "last_schedule", None)
+    chunk = {id(s): n for s, n in sched.scheduled} if sched is not None else {}
+    q, extra = [], []
+    for i, s in enumerate(seqs):
+        n = chunk.pop(id(s), None)
+        if n is None:                 # not scheduled: the batch's own length is all there is
+            n = int(batch.query_lens_np[i]) if i < len(batch.query_lens_np) else 0
+            if sched is not None:
+                extra.append(Mismatch("scheduled", "batch.seqs", i, i, s.request_id, None))
+        q.append(n)
+    for s_id, n in chunk.items():     # scheduled but missing from the batch
+        extra.append(Mismatch("scheduled", "batch.seqs", -1, -1, None, n))
+    ref = invariants.reference([s.num_computed_tokens for s in seqs], q, [s.pages for s in seqs],
+                               batch.page_size)
+    _last[0], _last[1] = batch, (ref, extra)
+    return ref, extra
+
+
+class _Tap:
+    """Model-hook tap: fn(batch) at layer 0 before attention, plan_fn after it."""
+
+    def __init__(self, fn, plan_fn):
+        self.fn, self.plan_fn = fn, plan_fn
+
+    def on_kv(self, layer, k, v, batch) -> None:
+        if layer == 0:
+            self.fn(batch)
+
+    def on_attention_out(self, layer, o, batch) -> None:
+        if layer == 0:
+            self.plan_fn(batch)
+
+    def on_hidden(self, layer, h, batch) -> None:
+        pass
+
+
+class PackingProbe(Probe):
+    name = "packing"
+    description = "positions, slot_mapping, input ids, host/device length copies vs each sequence's own state"
+
+    def __init__(self, every: int = 1, **params: Any):
+        super().__init__(every=every, **params)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.every = every
+        self.batches_checked = 0
+        self._pending = None          # (batch, reference) of the forward in flight, for the post-step check
+
+    def on_attach(self, engine) -> None:
+        self._tap = _Tap(self.guard(self.check_batch), self.guard(self.check_plan))
+        instrumentation.add_tap(engine, self._tap)
+        self.listen(StepFinished, self.on_step)
+
+    def on_detach(self, engine) -> None:
+        instrumentation.remove_tap(engine, self._tap)
+        self._pending = None
+
+    # ---- per forward ---------------------------------------------------------------
+    def check_batch(self, batch) -> None:
+        step = self.engine.step_count
+        if step % self.every:
+            return
+        self.batches_checked += 1
+        ref, extra = batch_reference(self.engine, batch)
+        self._pending = (step, batch, ref)
+        toks = invariants.tokens_at([s.token_ids for s in batch.seqs], ref)
+        found = list(extra)
+        found += invariants.packing_mismatches(
+            ref, positions=_np(batch.positions), slot_mapping=_np(batch.slot_mapping),
+            input_ids=_np(batch.input_ids), token_ids=toks,
+            twins={"query_lens_np": (batch.query_lens_np, "q"),
+                   "diff(cu_seqlens_q_np)": (batch.cu_seqlens_q_np, "diff_q"),
+                   "cu_seqlens_q_np": (batch.cu_seqlens_q_np, "cu_q"),
+                   "cu_seqlens_q": (_np(batch.cu_seqlens_q), "cu_q"),
+                   "context_lens_np": (batch.context_lens_np, "ctx"),
+                   "context_lens": (_np(batch.context_lens), "ctx"),
+                   "cu_seqlens_k": (_np(batch.cu_seqlens_k), "cu_k")})
+        found += self._check_maxima(batch, ref)
+        found += self._check_logits(batch, ref)
+        for m in found:
+            self._report(m, batch, ref, step)
+
+    def check_plan(self, batch) -> None:
+        """torch_npu's cumulative lengths, when the backend's plan carries them (the NPU path)."""
+        plan = getattr(batch, "attn_plan", None)
+        if plan is None or not (hasattr(plan, "actual_seq_lengths") or hasattr(plan, "actual_seq_lengths_kv")):
+            return
+        ref, _ = batch_reference(self.engine, batch)
+        for m in invariants.packing_mismatches(ref, twins={
+                "actual_seq_lengths": (_np(getattr(plan, "actual_seq_lengths", None)), "ends_q"),
+                "actual_seq_lengths_kv": (_np(getattr(plan, "actual_seq_lengths_kv", None)), "ends_k")}):
+            self._report(m, batch, ref, self.engine.step_count)
+
+    def _check_maxima(self, batch, ref: PackingReference) -> list[Mismatch]:
+        out = []
+        for name, got, want in (("max_seqlen_q", batch.max_seqlen_q, ref.q_lens.max(initial=0)),
+                                ("max_seqlen_k", batch.max_seqlen_k, ref.context_lens.max(initial=0))):
+            if int(got) != int(want):
+                out.append(Mismatch("lengths", name, int(np.argmax(ref.q_lens if name.endswith("q")
+                                                                   else ref.context_lens)), -1, int(got), int(want)))
+        return out
+
+    def _check_logits(self, batch, ref: PackingReference) -> list[Mismatch]:
+        got = _np(batch.logits_indices)
+        t = ref.num_tokens
+        if len(got) == t and t > 0 and (got == np.arange(t)).all():
+            return []                                   # teacher forcing (score): every row
+        total = np.fromiter((s.num_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
+        rows = np.nonzero(ref.context_lens == total)[0]
+        want = ref.cu_q[1:][rows] - 1
+        if len(got) != len(want):
+            return [Mismatch("logits-indices", "logits_indices", -1, -1, len(got), len(want))]
+        bad = np.nonzero(got != want)[0][: invariants.MAX_REPORTED]
+        return [Mismatch("logits-indices", "logits_indices", int(rows[k]), int(want[k]), int(got[k]), int(want[k]))
+                for k in bad]
+
+    # ---- after the step ------------------------------------------------------------
+    def on_step(self, e: StepFinished) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != e.step:
+            return
+        _, batch, ref = pending
+        for i, s in enumerate(batch.seqs):
+            want = int(ref.context_lens[i])
+            # a sequence preempted or aborted after the forward restarts from 0: not a drift
+            if s.num_computed_tokens != want and s.num_computed_tokens != 0 and s.pages:
+                self._report(Mismatch("computed-tokens", "num_computed_tokens", i, -1, s.num_computed_tokens,
+                                      want), batch, ref, e.step)
+
+    # ---- findings ------------------------------------------------------------------
+    def _report(self, m: Mismatch, batch, ref: PackingReference, step: int) -> None:
+        seq = batch.seqs[m.row] if 0 <= m.row < len(batch.seqs) else None
+        rid = seq.request_id if seq is not None else None
+        who = f"request {rid}" if seq is not None else "the batch"
+        page = None
+        ev = {"check": m.check, "copy": m.copy, "row": m.row, "index": m.index, "got": m.got, "want": m.want}
+        if m.check in ("positions", "slot-mapping", "input-ids") and m.index >= 0 and seq is not None:
+            pos = int(ref.positions[m.index])
+            page = int(seq.pages[pos // ref.page_size]) if pos // ref.page_size < len(seq.pages) else None
+            ev.update(token=m.index, position=pos, page=page)
+            what = {"positions": "position", "slot-mapping": "slot", "input-ids": "token id"}[m.check]
+            msg = (f"{who}: packed token {m.index} (its position {pos}, page {page}) has {what} {m.got} in "
+                   f"{m.copy}, the sequence's own state says {m.want}")
+        elif m.check == "block-table":
+            msg = f"{who}: {m.copy} column {m.index} holds {m.got}, the page list says {m.want}"
+        elif m.check == "computed-tokens":
+            msg = (f"{who}: after the step it has {m.got} computed tokens, it was {int(ref.starts[m.row])} + a chunk "
+                   f"of {int(ref.q_lens[m.row])} = {m.want}")
+        elif m.check == "scheduled":
+            msg = (f"the batch holds request {m.got} (row {m.row}), which the scheduler did not schedule this step"
+                   if m.got is not None else f"the scheduler scheduled a sequence ({m.want} tokens) the batch lacks")
+            rid = m.got
+        elif m.row >= 0 and seq is not None and m.index >= 0:
+            msg = (f"{who}: {m.copy}[{m.index}] is {m.got}, the sequence's own state says {m.want} (it had "
+                   f"{int(ref.starts[m.row])} tokens computed and was scheduled {int(ref.q_lens[m.row])}); the "
+                   f"other copies of this length agree with it" if m.check == "lengths" else
+                   f"{who}: {m.copy}[{m.index}] is {m.got}, the reference says {m.want}")
+        else:
+            msg = f"{m.copy}: {m.got} where the sequences' state gives {m.want}"
+        self.rows.append({"step": step, **ev, "request_id": rid})
+        if len(self.rows) > 100_000:
+            del self.rows[:50_000]
+        self.report("error", msg, hint=HINTS.get(m.check, HINTS["lengths"]), kind=f"packing-{m.check}",
+                    dedup=(m.check, m.copy, rid, m.index if m.check not in ("lengths", "computed-tokens") else None),
+                    step=step, request_id=rid, page=page, evidence=ev)
+
+    def frame(self):
+        import pandas as pd
+        cols = ["step", "check", "copy", "request_id", "row", "index", "got", "want", "token", "position", "page"]
+        return pd.DataFrame(self.rows, columns=cols)
