@@ -113,6 +113,9 @@ class PrefixCacheProbe(Probe):
             return
         pool, ps = eng.pool, eng.pool.page_size
         hits = seq.pages[: e.num_cached_tokens // ps]
+        self.rows.append({"step": e.step, "request_id": e.request_id, "hit_pages": len(hits)})
+        if len(self.rows) > 100_000:
+            del self.rows[:50_000]
         crcs = history_crcs(seq.token_ids, len(hits), ps)
         for j, p in enumerate(hits):
             self.hits_checked += 1
@@ -144,3 +147,8 @@ class PrefixCacheProbe(Probe):
                     evidence={"page": p, "page_index": j, "computed_by": owner, "problems": problems,
                               "recorded_index": rec[0] if rec else None})
                 return                               # one finding per admission: the rest follow from it
+
+    def frame(self):
+        """One row per admission with prefix-cache hits: the request and how many pages it reused."""
+        import pandas as pd
+        return pd.DataFrame(self.rows, columns=["step", "request_id", "hit_pages"])
