@@ -48,6 +48,8 @@ HINT_STALE = ("bind the block tables before the kernel launch (BatchBuilder.buil
 HINT_MISMATCH = ("the kernel reads pages other than the ones the request maps: check BlockTables.fill_host (rows "
                  "in batch order, from each sequence's own page list) and bind() (the staged bytes, all rows, "
                  "before the launch); the crc of the bytes read is in the evidence")
+HINT_SHORT = ("pages are allocated for the tokens computed in the step (KVCacheManager.grow / try_admit): "
+              "pages_for(computed + chunk) pages must be mapped before the forward")
 HINT_FREED = ("a page was freed while a live sequence still maps it: a missing or dropped refcount "
               "(prefix sharing); PagePool.free must free only at ref 0 and every sharer must acquire")
 HINT_REF = ("refcount must equal the number of live page tables that map the page: look for a release "
@@ -70,11 +72,6 @@ class _TableTap:
 
     def on_hidden(self, layer, h, batch) -> None:
         pass
-
-
-def _host(t) -> np.ndarray:
-    """A host copy of a table the kernel reads (a copy: the buffer is rewritten next bind)."""
-    return t.detach().to("cpu").numpy().astype(np.int64)
 
 
 class PageTableProbe(Probe):
@@ -154,6 +151,19 @@ class PageTableProbe(Probe):
                     page=int(next(p for p in meant if p != 0)),
                     evidence={"row": int(r), "pages_meant": list(meant[:64]),
                               "context_len": int(ref.context_lens[r])})
+        # A page list shorter than the context it must cover: the kernel reads a page the
+        # sequence does not own (padding or another request's) for its last tokens.
+        for r in np.nonzero(ref.short)[0][:MAX_PER_CHECK]:
+            seq = batch.seqs[r]
+            self.report(
+                "error", f"request {seq.request_id}: {int(ref.context_lens[r])} tokens of context need "
+                         f"{int(need[r])} pages, its page list holds {len(seq.pages)}: the kernel reads pages it "
+                         f"does not own for positions from {len(seq.pages) * batch.page_size}",
+                hint=HINT_SHORT, kind="page-list-short", dedup=("page-list-short", seq.request_id, int(need[r])),
+                step=step, request_id=seq.request_id,
+                evidence={"row": int(r), "pages_needed": int(need[r]), "pages_mapped": len(seq.pages),
+                          "context_len": int(ref.context_lens[r]), "computed_before": int(ref.starts[r]),
+                          "chunk": int(ref.q_lens[r])})
         # Ground truth: the bytes the kernel reads, row by row, against each sequence's page list.
         wrong = [m for m in invariants.compare_table(a, ref, "block_tables", num_pages=n) if m.row not in zero_rows]
         if wrong:

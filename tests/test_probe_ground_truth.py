@@ -309,3 +309,37 @@ def test_chain_hash_without_parent_serves_a_page_at_the_wrong_position(sharp_lla
     hit = errors(wb, "prefix-history")
     assert hit and hit[0].request_id == b_out.request_id and hit[0].evidence["page_index"] == 1
     assert hit[0].evidence["recorded_index"] == 0
+
+
+def test_growth_one_page_short_is_caught(sharp_llama_dir, monkeypatch):
+    # On one path (odd request ids here), grow() counts the pages it needs from the computed
+    # tokens only, not the chunk: a decode that opens a new page runs one page short, reading
+    # the table's padding for its newest token. (The widest row is a healthy request, so the
+    # builder's own indexing does not trip over the short row.)
+    real = kvm.KVCacheManager.grow
+
+    def grow(self, seq, n):
+        if seq.request_id % 2 == 0:
+            return real(self, seq, n)
+        need = kvm.pages_for(seq.num_computed_tokens, self.page_size) - len(seq.pages)
+        if need > 0:
+            self.pool.actor = seq.request_id
+            new = self.pool.allocate(need)
+            seq.pages.extend(new)
+            seq.page_generations.extend(self.pool.generation[p] for p in new)
+        return True
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 256, 150).tolist()] + [rng.integers(3, 256, n).tolist() for n in (20, 40, 30)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] + [SamplingParams(max_tokens=20, ignore_eos=True)] * 3
+
+    def go():
+        eng = engine(sharp_llama_dir)
+        wb = Workbench(eng, log=False).attach(*PROBES)
+        return [o.token_ids for o in eng.generate(prompts, params)], wb
+    clean_toks, _ = go()
+    monkeypatch.setattr(kvm.KVCacheManager, "grow", grow)
+    toks, wb = go()
+    assert toks != clean_toks
+    short = errors(wb, "page-list-short")
+    assert short and short[0].request_id % 2 == 1
+    assert short[0].evidence["pages_needed"] == short[0].evidence["pages_mapped"] + 1

@@ -1,0 +1,90 @@
+"""probes/invariants.py: the plain functions our probes (and the vLLM adapter) share."""
+import numpy as np
+
+from probes import invariants
+from workbench import Engine, EngineConfig, SamplingParams, Workbench
+from workbench.engine.attention.torch_ref import TorchPagedAttention
+from workbench.engine.batch import BatchBuilder
+from workbench.engine.sequence import Sequence
+
+
+def _seqs(rng, n=5, ps=16):
+    seqs, sched, next_page = [], [], 1
+    for i in range(n):
+        total = int(rng.integers(2, 120))
+        done = int(rng.integers(0, total))
+        q = int(rng.integers(1, total - done + 1))
+        s = Sequence(i, rng.integers(3, 200, total).tolist(), SamplingParams(), max_len=total + 1)
+        s.num_computed_tokens = done
+        k = -(-(done + q) // ps)
+        s.pages = list(range(next_page, next_page + k))[::-1]        # any order: the table is per sequence
+        next_page += k
+        seqs.append(s)
+        sched.append((s, q))
+    return seqs, sched
+
+
+def test_reference_equals_what_the_builder_packs():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        seqs, sched = _seqs(rng)
+        batch = BatchBuilder(2048, 8, 16, 16, "cpu").build(sched)
+        ref = invariants.reference([s.num_computed_tokens for s in seqs], [n for _, n in sched],
+                                   [s.pages for s in seqs], 16)
+        assert (ref.positions == batch.positions.numpy()).all()
+        assert (ref.slots == batch.slot_mapping.numpy()).all()
+        assert (ref.cu_q == batch.cu_seqlens_q.numpy()).all() and (ref.cu_k == batch.cu_seqlens_k.numpy()).all()
+        assert invariants.compare_table(batch.block_tables.numpy().astype(np.int64), ref) == []
+        toks = invariants.tokens_at([s.token_ids for s in seqs], ref)
+        assert (toks == batch.input_ids.numpy()).all()
+
+
+def test_mismatches_name_the_row_and_entry():
+    rng = np.random.default_rng(1)
+    seqs, sched = _seqs(rng)
+    ref = invariants.reference([s.num_computed_tokens for s in seqs], [n for _, n in sched],
+                               [s.pages for s in seqs], 16)
+    slots = ref.slots.copy()
+    slots[ref.cu_q[3]] += 1                                  # first token of sequence 3
+    cu = ref.cu_q.copy()
+    cu[2] -= 1                                               # end of sequence 1
+    found = invariants.packing_mismatches(ref, slot_mapping=slots, twins={"cu_seqlens_q_np": (cu, "cu_q"),
+                                                                          "diff": (cu, "diff_q")})
+    got = {(m.check, m.copy, m.row) for m in found}
+    assert ("slot-mapping", "slot_mapping", 3) in got
+    assert ("lengths", "cu_seqlens_q_np", 1) in got
+    assert {("lengths", "diff", 1), ("lengths", "diff", 2)} <= got
+    table = ref.table.copy()
+    table[2, 0] += 1000
+    [m] = invariants.compare_table(table, ref)
+    assert (m.row, m.index, m.got, m.want) == (2, 0, ref.table[2, 0] + 1000, ref.table[2, 0])
+    # ids outside the pool are the bounds check's finding, not a mismatch
+    assert invariants.compare_table(table, ref, num_pages=500) == []
+
+
+def test_free_queue_walk_stops_on_a_cycle():
+    nxt = [1, 2, 0, -1]
+    walk, err = invariants.walk_free_queue(0, nxt, 4)
+    assert walk == [0, 1, 2] and "loops" in err
+
+
+def test_npu_cumulative_lengths_in_the_plan_are_checked(sharp_llama_dir, monkeypatch):
+    # A backend whose plan carries torch_npu's actual_seq_lengths (cu_seqlens_q without the
+    # leading 0) and actual_seq_lengths_kv (the context lengths): the packing probe checks
+    # both against the sequences' state; here the kv lengths are built from the query lengths.
+    real = TorchPagedAttention.plan
+
+    def plan(self, batch):
+        p = real(self, batch)
+        p.actual_seq_lengths = batch.cu_seqlens_q_np[1:].tolist()
+        p.actual_seq_lengths_kv = batch.query_lens_np.tolist()              # the bug
+        return p
+    monkeypatch.setattr(TorchPagedAttention, "plan", plan)
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64))
+    wb = Workbench(eng, log=False).attach("packing")
+    rid = eng.add_request(list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    found = [f for f in wb.findings_at_least("error")]
+    assert found and {f.evidence["copy"] for f in found} == {"actual_seq_lengths_kv"}
+    assert found[0].request_id == rid
