@@ -36,11 +36,12 @@ def main(argv=None):
     engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))
     run(engine, workload(4, seed=1), 4)                    # warm-up
     wb = Workbench(engine, log=True)
-    off, on = [], []
+    off, on, costs = [], [], []
     for _ in range(a.repeats):                             # alternate, so drift hits both
         off.append(run(engine, prompts, a.new_tokens))
         wb.attach()
         on.append(run(engine, prompts, a.new_tokens))
+        costs.append(wb.costs())
         wb.detach()
         wb.log.detach()
         wb = Workbench(engine, log=True)
@@ -51,6 +52,13 @@ def main(argv=None):
     print(f"no probe : {toks / t_off:7.1f} output tok/s ({t_off:.2f} s)")
     print(f"all probes + event log: {toks / t_on:7.1f} output tok/s ({t_on:.2f} s)")
     print(f"throughput lost with every probe on: {1 - t_off / t_on:.1%} (target <= 5%)")
+    best = costs[on.index(t_on)]                           # each probe's own callbacks, timed where they run
+    best["share_of_run"] = best["seconds"] / t_on
+    print("time inside each probe's callbacks in that run (Probe.guard times them):")
+    for r in best.sort_values("seconds", ascending=False).itertuples():
+        print(f"  {r.probe:16s} {r.calls:8d} calls {r.seconds * 1e3:8.1f} ms  {r.share_of_run:6.2%} of the run")
+    print(f"  {'all':16s} {int(best.calls.sum()):8d} calls {best.seconds.sum() * 1e3:8.1f} ms  "
+          f"{best.seconds.sum() / t_on:6.2%} of the run")
 
     # plumbing with nothing attached: count bus.wants() calls per step
     calls = 0

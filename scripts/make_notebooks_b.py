@@ -71,8 +71,8 @@ a context (lock domain) per batch slice: hangs gone, throughput +12%."* The publ
 stalls, Running=0 Waiting=N).
 
 Here the engine serves six chat prompts while 16 other streams rewrite their own page tables under the lock the
-engine gives them, and two metrics readers scrape `engine.stats()`. Nothing touches the requests being served: the
-only symptom is time.
+engine gives them and call the engine's real `abort()`, and two metrics readers scrape the engine's real
+`engine.stats()`. Nothing touches the requests being served: the only symptom is time.
 """),
         code(SETUP),
         code(catalogue_row("lock_storm")),
@@ -113,7 +113,9 @@ clean_findings
 ## 2. The symptom: the same requests with the lock storm on
 `faults.inject(engine, "lock_storm", submitters=16)` starts 16 stream threads (batch 16, as in the field note)
 that each update their page table under `engine.table_lock(stream)` and keep the lock across the host-to-device
-copy, plus two `stats()` scrapers. With the global lock, all of them queue on the lock the engine's step needs.
+copy, then call `engine.abort()` with the stream's own id (a negative id the engine never issues, so nothing is
+aborted: it is the engine's real abort path, lock and all), plus two `stats()` scrapers. With the global lock,
+`abort()` and `stats()` take the step's lock themselves, so all of them queue on the lock the engine's step needs.
 """),
         code("""
 wb = Workbench(engine, log=False).attach("lock_contention")
@@ -121,7 +123,8 @@ with faults.inject(engine, "lock_storm", submitters=16) as storm:
     storm_outs, storm_s = timed_generate(engine)       # runs to completion inside the with-block
 probe = wb.probe("lock_contention")
 storm_share = probe.wait_share()
-print(f"{storm.updates} page-table updates by the stream threads, {storm.scrapes} stats() scrapes")
+print(f"{storm.updates} page-table updates and {storm.aborts} abort() calls by the stream threads, "
+      f"{storm.scrapes} stats() scrapes")
 tokens = sum(len(o.token_ids) for o in clean_outs)
 pd.DataFrame([
     {"run": "global lock, quiet", "seconds": clean_s, "tokens/s": tokens / clean_s, "engine wait share": clean_share},
@@ -151,8 +154,9 @@ print("\\nhint:", caught[0].hint)
         md("""
 ## 4. The view: who holds the lock, and what it costs each step
 Left: hold time per call site (`probe.frame()`): the stream threads' table update in `lock_storm.py` dwarfs the
-engine's own critical sections in `engine.py`. Right: each step's time split into waiting for `page_table` and
-working (`probe.steps_frame()`).
+engine's own critical sections in `engine.py`; the streams' `engine.py abort` and the scrapers' `engine.py stats`
+hold it briefly but wait for it as long as the step does. Right: each step's time split into waiting for
+`page_table` and working (`probe.steps_frame()`).
 """),
         code("""
 cols = ["lock", "site", "count", "contended", "wait_p50_ms", "wait_p99_ms", "hold_p50_ms", "hold_total_ms"]
@@ -169,15 +173,17 @@ px.bar(steps, x="step", y=["wait_page_table_ms", "working_ms"],
 """),
         md("""
 ## 5. Root cause
-One lock guards three unrelated things: the engine's step (scheduling, page allocation, binding), every stream's
-page-table update, and every metrics read. Each stream holds it across a host-to-device copy, so the step queues
-behind up to 16 copies several times per step. Requests are not wrong, just late: the ones admitted last sit
-"waiting" while the lock changes hands. Nothing here is a bug in any one thread; the lock's *domain* is too wide.
+One lock guards unrelated things: the engine's step (scheduling, page allocation, binding), every stream's
+submission (`add_request`), abort and page-table update, and every metrics read (`stats()`). Each stream holds it
+across a host-to-device copy, so the step queues behind up to 16 copies several times per step. Requests are not
+wrong, just late: the ones admitted last sit "waiting" while the lock changes hands. Nothing here is a bug in any
+one thread; the lock's *domain* is too wide.
 
 ## 6. The fix: a lock domain per stream
 `EngineConfig(page_table_lock="sharded")` gives each stream shard its own lock (`engine.table_lock(stream)`
-returns the shard), and `stats()` reads a snapshot published after each step, so neither a table update nor a
-metrics read ever waits on (or stalls) the step's lock. Same model, same storm:
+returns the shard); `add_request` and `abort` register under their request's shard only, and `stats()` returns a
+snapshot the engine publishes (at construction, after each step and each abort), so neither a submission, an
+abort, a table update nor a metrics read ever waits on (or stalls) the step's lock. Same model, same storm:
 """),
         code("""
 fixed = Engine.from_default(EngineConfig(num_pages=256, num_threads=1, page_table_lock="sharded"))
@@ -188,7 +194,8 @@ wb_fixed = Workbench(fixed, log=False).attach("lock_contention")
 with faults.inject(fixed, "lock_storm", submitters=16) as storm_fixed:
     fixed_outs, fixed_s = timed_generate(fixed)
 fixed_probe = wb_fixed.probe("lock_contention")
-print(f"{storm_fixed.updates} page-table updates by the stream threads, {storm_fixed.scrapes} stats() scrapes")
+print(f"{storm_fixed.updates} page-table updates and {storm_fixed.aborts} abort() calls by the stream threads, "
+      f"{storm_fixed.scrapes} stats() scrapes")
 pd.DataFrame([
     {"run": "global lock, lock storm", "seconds": storm_s, "tokens/s": tokens / storm_s,
      "engine wait share": storm_share},
@@ -197,7 +204,9 @@ pd.DataFrame([
 ]).round(2)
 """),
         md("""
-The storm still runs, on the shard locks (`page_table[i]` rows below), and the engine's step no longer waits:
+The storm still runs, on the shard locks (`page_table[i]` rows below: the streams' table updates and their
+`abort()` calls, and this notebook's own `add_request` calls from `generate()`), and the engine's step no longer
+waits: only the step itself takes `page_table` now.
 """),
         code("""
 fixed_probe.frame()[["lock", "site", "count", "contended", "hold_total_ms"]].round(1)
@@ -206,9 +215,67 @@ fixed_probe.frame()[["lock", "site", "count", "contended", "hold_total_ms"]].rou
 wb_fixed.findings
 """),
         md("""
-## 7. Checks
+## 7. What moved off the step's lock: the engine's own paths
+The fix is not a property of the fault: `add_request`, `abort` and `stats()` are the engine's public paths, and
+the fault's threads call them. `submit=True` makes every stream also submit a one-token request with the real
+`add_request` and abort it at once, so all three calls are timed from the fault's threads (`storm.calls`,
+`storm.latency_frame()`). Those tiny requests are real: when the engine drains one before its abort it joins a
+step's batch, so these runs' answers are not compared with anything.
+"""),
+        code("""
+def real_paths(eng):
+    # The storm with submit=True: the step's lock wait share, call latencies from the fault's threads, lock rows.
+    wb_m = Workbench(eng, log=False).attach("lock_contention")
+    with faults.inject(eng, "lock_storm", submitters=16, submit=True) as st:
+        timed_generate(eng)
+    pr = wb_m.probe("lock_contention")
+    share, frame = pr.wait_share(), pr.frame()
+    wb_m.detach()
+    while eng.has_unfinished():              # a submitted-and-aborted pair may still be queued: finish it
+        eng.step()
+    return share, st.latency_frame(), frame
+
+
+g_share, g_lat, g_frame = real_paths(engine)
+s_share, s_lat, s_frame = real_paths(fixed)
+paths = pd.concat([g_lat.assign(page_table_lock="global"), s_lat.assign(page_table_lock="sharded")])
+wide = paths.pivot(index="page_table_lock", columns="call", values=["p50_ms", "p99_ms"])
+wide.columns = [f"{call} {q}" for q, call in wide.columns]
+wide.insert(0, "step's lock wait share", pd.Series({"global": g_share, "sharded": s_share}))
+wide.round(3)
+"""),
+        md("""
+With the global lock, all three calls and the step queue on one lock: the p99s are tens of milliseconds, and the
+step spends most of its time waiting. (The global medians are low because a stream re-takes the lock it has just
+released, and Python's locks are not fair; the p99 is what everyone else sees.) Sharded, the step's wait share is
+zero and `stats()` takes microseconds. `add_request` and `abort` still wait sometimes, but for a *shard*: 16 streams
+share 8 shards and each holds its shard across a 5 ms copy most of the time, so a request landing on a busy shard
+waits for another stream's copy. That is stream against stream inside one lock domain, never the step; more
+domains (one per stream, as in the field note) would remove it. Where each call went:
+"""),
+        code("""
+fig = px.bar(paths, x="call", y="p99_ms", color="page_table_lock", barmode="group", log_y=True,
+             labels={"p99_ms": "p99 latency (ms, log)"},
+             title="the engine's real paths, called by the storm's threads: p99 latency")
+fig
+"""),
+        code("""
+real_sites = ["engine.py add_request", "engine.py abort", "engine.py stats"]
+where = pd.concat([g_frame.assign(page_table_lock="global"), s_frame.assign(page_table_lock="sharded")])
+where = where[where.site.isin(real_sites)]
+where.assign(lock=where.lock.str.replace(r"\\[\\d+\\]", "[shard]", regex=True)).groupby(
+    ["page_table_lock", "site", "lock"])[["count", "contended", "wait_p99_ms"]].agg(
+    {"count": "sum", "contended": "sum", "wait_p99_ms": "max"}).round(2)
+"""),
+        md("""
+What moved off the step's lock: `stats()` now takes no lock at all (a snapshot read), `add_request` and `abort`
+take only their request's shard (`page_table[shard]` rows), and `page_table` is taken by the engine thread alone
+(the step's sections and applying an abort), so nobody can make the step wait.
+
+## 8. Checks
 The fault is caught (an error on lock `page_table` naming the storm's call site, with the sharding hint); the
-answers are unchanged; with sharded locks the same storm leaves the probe silent.
+answers are unchanged; with sharded locks the same storm leaves the probe silent; the engine's own
+`add_request` / `abort` / `stats()` queue on the step's lock with the global lock and never touch it sharded.
 """),
         code("""
 assert not clean_findings["severity"].isin(["warn", "error", "critical"]).any(), clean_findings
@@ -224,6 +291,15 @@ assert storm_fixed.updates > 0 and storm_fixed.scrapes > 0
 assert fixed_probe.frame().lock.str.startswith("page_table[").any()   # the storm went to the shards
 assert not wb_fixed.findings_at_least("warn"), wb_fixed.findings
 assert [o.text for o in fixed_outs] == [o.text for o in clean_outs]
+
+for name in real_sites:                                  # global: each real path queued on the step's lock
+    rows = g_frame[(g_frame.lock == "page_table") & (g_frame.site == name)]
+    assert len(rows) == 1 and rows.contended.iloc[0] > 0, name
+on_table = s_frame[s_frame.lock == "page_table"]           # sharded: only the engine thread takes it
+assert not on_table.site.isin(real_sites).any() and on_table.contended.sum() == 0
+assert not s_frame[s_frame.site == "engine.py stats"].shape[0]          # a snapshot read, no lock
+assert set(s_lat.call) == set(g_lat.call) == {"add_request", "abort", "stats"}
+assert g_share > 0.30 and s_share < 0.05
 wb.detach()
 wb_fixed.detach()
 """),

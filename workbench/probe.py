@@ -8,6 +8,7 @@ becomes a `probe-error` finding while the engine carries on.
 from __future__ import annotations
 
 import traceback
+from time import perf_counter_ns
 from typing import Any, Callable, Iterable
 
 from .findings import Finding, findings_frame
@@ -25,6 +26,8 @@ class Probe:
         self._subs: list[tuple[Any, Callable]] = []
         self.max_findings = params.get("max_findings", 1000)
         self._seen: set = set()          # dedup keys of reported findings
+        self.cost_ns = 0                 # time spent in this probe's callbacks (guard())
+        self.calls = 0
 
     # ---- lifecycle ---------------------------------------------------------
     def attach(self, engine) -> "Probe":
@@ -56,12 +59,19 @@ class Probe:
         self._subs.append((bus, safe))
 
     def guard(self, fn: Callable) -> Callable:
-        """fn, but an exception in it becomes a probe-error finding instead of propagating."""
+        """fn, but an exception in it becomes a probe-error finding instead of propagating.
+
+        The time spent in it is added to cost_ns: every probe reports what it costs the
+        engine thread (Workbench.costs()), measured where it is spent."""
         def safe(*a, **kw):
+            t0 = perf_counter_ns()
             try:
                 return fn(*a, **kw)
             except Exception as e:            # noqa: BLE001 - a probe must never break the engine
                 self.probe_error(e)
+            finally:
+                self.cost_ns += perf_counter_ns() - t0
+                self.calls += 1
         safe.__wrapped__ = fn
         return safe
 

@@ -29,7 +29,8 @@ class Workbench:
             if name in self.probes:
                 continue
             cls = registry.probe_class(name)
-            self.probes[name] = cls(**params.get(name, {})).attach(self.engine)
+            probe = self.probes[name] = cls(**params.get(name, {})).attach(self.engine)
+            probe.cost_ns = probe.calls = 0      # costs() counts the run, not one-off set-up at attach
         return self
 
     def detach(self, *names: str) -> None:
@@ -54,6 +55,12 @@ class Workbench:
 
     def findings_at_least(self, severity: str) -> list[Finding]:
         return [f for f in self.all_findings() if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[severity]]
+
+    def costs(self):
+        """What each attached probe cost the engine: callbacks run and seconds spent in them."""
+        import pandas as pd
+        rows = [{"probe": n, "calls": p.calls, "seconds": p.cost_ns / 1e9} for n, p in self.probes.items()]
+        return pd.DataFrame(rows, columns=["probe", "calls", "seconds"])
 
     def reset(self) -> None:
         for p in self.probes.values():
