@@ -1,6 +1,7 @@
 """The probes, one module each; PROBES maps a probe's name to "module:Class".
 
-Modules are imported on first use, so one probe's import error cannot hide the others.
+Modules are imported on first use; a probe whose module fails to import makes attach()
+fail with that module's error (ProbeImportError), it is never silently left out.
 """
 from __future__ import annotations
 
@@ -21,20 +22,22 @@ PROBES = {
 }
 
 
+class ProbeImportError(ImportError):
+    """A probe's module failed to import: attach() says which probe, which module and why."""
+
+
 def probe_class(name: str):
     if name not in PROBES:
         raise KeyError(f"no probe named {name!r}; probes: {', '.join(PROBES)}")
     mod, cls = PROBES[name].split(":")
-    return getattr(importlib.import_module(mod), cls)
+    try:
+        return getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        # Loud, never skipped: a broken probe that silently drops out of attach() would leave
+        # its invariant unchecked while every report says the run was clean.
+        raise ProbeImportError(f"probe {name!r} ({PROBES[name]}) cannot be loaded: {type(e).__name__}: {e}") from e
 
 
 def available() -> list[str]:
-    """Probes whose module imports."""
-    out = []
-    for name in PROBES:
-        try:
-            probe_class(name)
-            out.append(name)
-        except (ImportError, AttributeError):
-            pass
-    return out
+    """Every registered probe's name (Workbench.attach() with no names attaches them all)."""
+    return list(PROBES)

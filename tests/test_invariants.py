@@ -88,3 +88,17 @@ def test_npu_cumulative_lengths_in_the_plan_are_checked(sharp_llama_dir, monkeyp
     found = [f for f in wb.findings_at_least("error")]
     assert found and {f.evidence["copy"] for f in found} == {"actual_seq_lengths_kv"}
     assert found[0].request_id == rid
+
+
+def test_a_broken_probe_module_fails_attach_loudly(sharp_llama_dir, monkeypatch, tmp_path):
+    import sys
+
+    import probes
+    import pytest
+    (tmp_path / "broken_probe_mod.py").write_text("import this_module_does_not_exist\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(probes.PROBES, "broken", "broken_probe_mod:Broken")
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=16))
+    with pytest.raises(probes.ProbeImportError, match="broken.*this_module_does_not_exist"):
+        Workbench(eng, log=False).attach()
+    sys.modules.pop("broken_probe_mod", None)

@@ -25,10 +25,12 @@ class Workbench:
     def attach(self, *names: str, **params: Any) -> "Workbench":
         """Attach probes by name (all of them when none is named). params: {name: {...}} per probe."""
         import probes as registry
-        for name in names or registry.available():
-            if name in self.probes:
-                continue
-            cls = registry.probe_class(name)
+        wanted = [n for n in (names or registry.available()) if n not in self.probes]
+        unknown = set(params) - set(registry.PROBES)
+        if unknown:
+            raise KeyError(f"parameters for unknown probes {sorted(unknown)}; probes: {', '.join(registry.PROBES)}")
+        classes = {n: registry.probe_class(n) for n in wanted}     # every import first: all or nothing
+        for name, cls in classes.items():
             probe = self.probes[name] = cls(**params.get(name, {})).attach(self.engine)
             probe.cost_ns = probe.calls = 0      # costs() counts the run, not one-off set-up at attach
         return self
