@@ -64,3 +64,29 @@ def test_capture_survives_sigkill(tiny_llama_dir, tmp_path):
     t = read_trace(path)
     assert len(t) >= acked                  # every acknowledged request is on disk
     assert [r.prompt_token_ids[0] for r in t] == [5 + i % 200 for i in range(len(t))]
+
+
+def test_capture_is_a_subscriber(tiny_llama_dir, tmp_path):
+    from workbench import Workbench
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
+    cap = Workbench(eng, log=False).capture(tmp_path / "wb.jsonl")
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    cap.close()
+    eng.add_request([8, 9], SamplingParams(max_tokens=2))      # after close: not recorded
+    t = read_trace(tmp_path / "wb.jsonl")
+    assert [r.id for r in t] == [rid] and t[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_engine_imports_no_consumer():
+    # The engine emits; trace/, widgets/, export/ and probes/ subscribe. Importing it (and
+    # building one) must not pull any of them in.
+    code = textwrap.dedent("""
+        import sys
+        import workbench.engine
+        from workbench.engine import engine, model, batch, scheduler, kv_manager, pages, instrumentation
+        bad = sorted(m for m in sys.modules if m.startswith(("workbench.trace", "workbench.widgets",
+                     "workbench.export", "probes")))
+        print(",".join(bad))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"workbench.engine imported {out.stdout.strip()}"

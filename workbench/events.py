@@ -25,6 +25,16 @@ class Event:
 
 # ---- requests --------------------------------------------------------------
 @dataclass(slots=True)
+class RequestSubmitted(Event):
+    """add_request accepted a request (emitted on the caller's thread before it returns)."""
+    request_id: int
+    user_request_id: Any
+    prompt_token_ids: Any          # the prompt's token ids (not copied: do not mutate)
+    params: Any                    # its SamplingParams
+    arrival_time: float            # time.perf_counter() when it arrived
+
+
+@dataclass(slots=True)
 class RequestArrived(Event):
     request_id: int
     prompt_len: int
@@ -179,7 +189,7 @@ class LockHeld(Event):
 
 
 EVENT_TYPES: tuple[type, ...] = (
-    RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
+    RequestSubmitted, RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
     PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered,
     BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, LockWaited, LockHeld,
 )
@@ -225,7 +235,8 @@ class EventBus:
 
 
 # ---- the log ---------------------------------------------------------------
-_SKIP_COLUMNS = {"cu_seqlens_q", "cu_seqlens_k", "slot_mapping"}   # tensors stay out of the log
+# tensors and whole prompts stay out of the log (the trace capture keeps prompts)
+_SKIP_COLUMNS = {"cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "prompt_token_ids", "params"}
 
 
 def _plain(v: Any) -> Any:

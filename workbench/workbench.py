@@ -58,6 +58,11 @@ class Workbench:
     def findings_at_least(self, severity: str) -> list[Finding]:
         return [f for f in self.all_findings() if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[severity]]
 
+    def capture(self, path: str, append: bool = False):
+        """Record every request the engine accepts from now on into a JSONL trace (crash-safe)."""
+        from .trace.capture import TraceCapture
+        return TraceCapture(self.engine, path, append=append)
+
     def costs(self):
         """What each attached probe cost the engine: callbacks run and seconds spent in them."""
         import pandas as pd

@@ -18,10 +18,10 @@ from typing import Any, Sequence as Seq
 import torch
 
 from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, RequestAdmitted, RequestArrived,
-                      RequestFinished, RequestPreempted, StepFinished, now_ns)
+                      RequestFinished, RequestPreempted, RequestSubmitted, StepFinished, now_ns)
 from ..events import RequestRejected as RequestRejectedEvent
 from ..locks import InstrumentedLock
-from . import instrumentation
+from . import consumers, instrumentation
 from .attention import get_backend
 from .batch import BatchBuilder, PackedBatch
 from .config import ConfigError, EngineConfig
@@ -111,10 +111,9 @@ class Engine:
         self._notices: queue.SimpleQueue = queue.SimpleQueue()   # rejections, for the event stream
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
-        self.capture = None
-        if config.capture_trace:
-            from ..trace.capture import TraceCapture
-            self.capture = TraceCapture(config.capture_trace)
+        # Consumers the config asks for (capture_trace) subscribe to the bus like any other;
+        # the engine names them by module path only (consumers.py) and imports none of them.
+        self.capture = consumers.from_config(self)
         self._publish_stats()       # sharded: stats() has a snapshot before the first step
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
                  num_pages, ps, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
@@ -181,8 +180,9 @@ class Engine:
         cap = min(self.max_model_len, self.num_pages * self.config.page_size)
         seq = Sequence(rid, ids, params, max_len=min(cap, len(ids) + params.max_tokens),
                        user_request_id=request_id)
-        if self.capture is not None:
-            self.capture.record(rid if request_id is None else request_id, ids, params, seq.arrival_time)
+        if self.bus.wants(RequestSubmitted):      # on the caller's thread, before add_request returns
+            self.bus.emit(RequestSubmitted(self.step_count, now_ns(), rid, request_id, ids, params,
+                                           seq.arrival_time))
         # Register it: "global", under the step's page-table lock, as every stream's submission
         # went in production (field note 6): it waits for the step's critical sections and the
         # step waits for it. "sharded": under this request's shard lock only, never self.lock.
@@ -225,7 +225,6 @@ class Engine:
         Cached-free pages become plain free pages. Returns how many entries were dropped.
         """
         with self.lock:                 # it mutates the pool: the step's lock, in both modes
-            self.pool.actor = None
             n = len(self.pool.forget(list(self.pool.cached.values())))
             self._publish_stats()       # sharded: the snapshot shows the freed pages at once
             return n
@@ -435,8 +434,7 @@ class Engine:
                 ids = self._prompt_ids(prompt)
                 self.validate_prompt(ids)
                 seq = Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1)
-                self.pool.actor = seq.request_id
-                seq.pages = self.pool.allocate(pages_for(len(ids), self.config.page_size))
+                seq.pages = self.pool.allocate(pages_for(len(ids), self.config.page_size), seq.request_id)
                 seq.page_generations = [self.pool.generation[p] for p in seq.pages]
                 seqs.append(seq)
             scheduled = [(s, s.num_tokens) for s in seqs]
