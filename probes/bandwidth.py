@@ -1,13 +1,37 @@
-"""BandwidthProbe: achieved memory bandwidth per step against the device's measured peak.
+"""BandwidthProbe: achieved GB/s per step, judged against what this engine reached before
+on this machine, for this model, at the same batch shape.
 
-Decode is memory bound: every step streams the weights and the KV pages it attends
-over, so bytes / step time against the copy-bandwidth roof says how well the step ran
-(field note 11: below ~800 GB/s on a 910B meant page-table lookups were in the way).
-Steps with prefill are compute bound, so they are judged against a looser threshold
-and never above info. Steps that move too few bytes to be bandwidth bound (a tiny
-model, a near-empty batch) are recorded but not judged; so are CPU steps during which
-the process got under min_cpu_share of its threads' CPU time (a machine shared with
-other work: the step was starved, not slow).
+The bytes a step moves are the engine's model of what its kernels read and write
+(StepFinished: bytes_weights, the linears' weights one forward streams; bytes_kv_read,
+the pages in the step's attention plan x bytes per page; bytes_kv_written, the K/V rows
+of its tokens); bytes / step time is its achieved bandwidth.
+
+The verdict is a regression test, not a share of a copy benchmark: a copy peak says
+nothing on a CPU where small-batch decode is not bandwidth bound, and a peak cached
+while the host was busy says less. So the probe keeps a per-machine baseline
+(`baselines.json` beside `peaks.json`, see BaselineStore): for each device + model
+identity (architecture, dtype, KV dtype; not the page size or attention backend, so a
+change of those that slows the same shape shows as a regression) + batch-shape bucket
+(decode-only or mixed; sequences, powers of two; KV bytes read, powers of two; tokens,
+for mixed steps), the GB/s of the last clean steps of that shape. It learns as it runs,
+from steps it does not judge low, never while the page size fails the config check,
+never from starved CPU steps; it saves at detach. A step is judged once its bucket (or
+the next KV bucket up or down) has min_samples clean steps: its GB/s over the bucket's
+baseline (the baseline_quantile of those samples). A finding needs the median over the
+last `window` judged steps under `threshold` (default 0.5: half of what this shape
+reached here before). Without a baseline a step is recorded as unjudged-baseline and
+nothing is reported. Steps with prefill are judged the same way but never above info.
+
+The measured copy peak (device.peak_figures) stays as a column (share_of_peak),
+information only. It is re-measured when stale, measured while the host was busy, or
+when a step beats it (implausible); the probe says so in an info finding and the rows.
+
+Steps that move too few bytes to be bandwidth bound (min_bytes) are recorded but not
+judged; so are CPU steps during which the process got under min_cpu_share of its
+threads' CPU time (a machine shared with other work: the step was starved, not slow;
+0.8 with several threads, which stall each other at barriers, 0.2 with one).
+On a CPU the rate judged and learned (rate_gbs) is bytes per second of CPU time the
+step's threads got (wall x cpu_share), so a busy host does not read as a slower engine.
 
 Also a config check, at attach and whenever the page size changes: a page size that
 is not a power of two >= 16 has no paged kernel and runs a slow fallback (field note 8).
@@ -18,9 +42,15 @@ read_msprof_hbm() reads it.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
 import math
+import threading
 import time
-from collections import deque
+import warnings
+from collections import Counter, deque
 from pathlib import Path
 from statistics import median
 
@@ -28,6 +58,9 @@ from workbench.events import BlockTableBound, StepFinished
 from workbench.probe import Probe
 
 PAGE_SIZE_FIX = "use 16, 32, 64 or 128"
+BASELINE_FILE = "baselines.json"
+BASELINE_FORMAT = "pagedkv-workbench bandwidth baselines"
+BASELINE_VERSION = 1
 
 
 def page_size_supported(ps: int) -> bool:
@@ -35,49 +68,296 @@ def page_size_supported(ps: int) -> bool:
     return ps >= 16 and ps & (ps - 1) == 0
 
 
+# ---- batch-shape buckets ------------------------------------------------------------
+def _count_index(n: int) -> int:
+    """Power-of-two bucket of a count: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+    return max(0, int(n) - 1).bit_length()
+
+
+def _count_label(i: int) -> str:
+    return "1" if i == 0 else "2" if i == 1 else f"{(1 << (i - 1)) + 1}-{1 << i}"
+
+
+def _bytes_index(b: int) -> int:
+    """Power-of-two bucket of a byte count: 0 -> -1, [2^k, 2^(k+1)) -> k."""
+    return int(b).bit_length() - 1 if b > 0 else -1
+
+
+def _fmt_pow2(k: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if k >= shift:
+            return f"{1 << (k - shift)}{unit}"
+    return f"{1 << k}B"
+
+
+def _bytes_label(k: int) -> str:
+    return "0" if k < 0 else f"{_fmt_pow2(k)}-{_fmt_pow2(k + 1)}"
+
+
+def bucket_label(decode_only: bool, seqs_i: int, kv_i: int, tokens_i: int | None = None) -> str:
+    """e.g. 'decode|seqs=3-4|kv=16MiB-32MiB', 'mixed|seqs=2|tokens=513-1024|kv=0'."""
+    if decode_only:
+        return f"decode|seqs={_count_label(seqs_i)}|kv={_bytes_label(kv_i)}"
+    return f"mixed|seqs={_count_label(seqs_i)}|tokens={_count_label(tokens_i or 0)}|kv={_bytes_label(kv_i)}"
+
+
+def step_bucket(e: StepFinished) -> tuple[str, list[str]]:
+    """The step's batch-shape bucket and its neighbours (the next KV bucket down, then up)."""
+    decode_only = e.num_prefill_tokens == 0
+    s_i, kv_i = _count_index(e.num_seqs), _bytes_index(e.bytes_kv_read)
+    t_i = None if decode_only else _count_index(e.num_tokens)
+    near = [bucket_label(decode_only, s_i, k, t_i) for k in (kv_i - 1, kv_i + 1) if k >= -1]
+    return bucket_label(decode_only, s_i, kv_i, t_i), near
+
+
+def model_identity(engine) -> tuple[str, str]:
+    """(fingerprint, description) of what sets a step's speed: architecture, dtype, KV dtype,
+    weight bytes. Not the weights' values (a fine-tune runs as fast), not the file's path."""
+    mc = engine.model_config
+    arch = {k: v for k, v in dataclasses.asdict(mc).items() if k not in ("bos_token_id", "eos_token_ids")}
+    ident = {"config": arch, "dtype": str(engine.dtype), "kv_dtype": str(engine.kv_dtype),
+             "kv_scaled": bool(getattr(engine, "kv_scaled", False)),
+             "weight_bytes": int(getattr(engine, "weight_bytes", 0))}
+    fp = hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    name = Path(str(getattr(engine, "source", "") or "model")).name
+    desc = (f"{name}: {mc.architecture} {mc.num_layers} layers, hidden {mc.hidden_size}, "
+            f"{str(engine.dtype).removeprefix('torch.')}, KV {str(engine.kv_dtype).removeprefix('torch.')}"
+            + (" scaled" if ident["kv_scaled"] else ""))
+    return fp, desc
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    v = sorted(xs)
+    pos = q * (len(v) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- the baseline store -----------------------------------------------------------------
+_STORE_LOCK = threading.Lock()
+
+
+class BaselineStore:
+    """GB/s that clean steps of each batch shape reached on this machine: baselines.json.
+
+    JSON (never pickle), written atomically:
+        {"format": "pagedkv-workbench bandwidth baselines", "version": 1,
+         "baselines": {"<machine>||<model fingerprint>||<bucket>": {
+             "machine": "vm|cpu Intel(R) Xeon(R) ...|torch 2.13.0+cpu|threads 1",
+             "model": "<fingerprint>", "model_desc": "...", "bucket": "decode|seqs=3-4|kv=16MiB-32MiB",
+             "gbs_samples": [...],          # the last max_samples clean steps, oldest first
+             "gbs_baseline": 8.9,           # their quantile, for a reader (recomputed on load)
+             "n": 123,                      # clean steps learned in all
+             "page_size": 16, "attention_backend": "cpu", "updated_at": "2026-12-01T08:00:00+00:00"}}}
+    A file that is not JSON, not this format, or a newer version is ignored with a warning
+    naming it (and replaced at the next save); a malformed entry is dropped the same way.
+    path None: in memory only.
+    """
+
+    def __init__(self, path: str | Path | None, max_samples: int = 64, max_entries: int = 4096,
+                 quantile: float = 0.75):
+        self.path = Path(path) if path else None
+        self.max_samples = max_samples
+        self.max_entries = max_entries
+        self.quantile = quantile
+        self.entries: dict[str, dict] = {}
+        self._new: dict[str, list[float]] = {}          # learned since the last save
+        self.warnings: list[str] = []
+        if self.path is not None:
+            self.entries = self._read()
+
+    @staticmethod
+    def key(machine: str, model: str, bucket: str) -> str:
+        return f"{machine}||{model}||{bucket}"
+
+    def _warn(self, msg: str, quiet: bool = False) -> None:
+        if quiet:
+            return
+        self.warnings.append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _read(self, quiet: bool = False) -> dict[str, dict]:
+        path = self.path
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self._warn(f"{path}: cannot be read ({e}); bandwidth baselines start empty", quiet)
+            return {}
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError as e:                     # not UTF-8 (a pickle, say) or not JSON
+            self._warn(f"{path}: not JSON ({e}); ignoring it: bandwidth baselines start empty "
+                       f"and the file is replaced at the next save", quiet)
+            return {}
+        if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
+            self._warn(f"{path}: not a bandwidth baseline file (no \"format\": \"{BASELINE_FORMAT}\"); "
+                       f"ignoring it: baselines start empty and the file is replaced at the next save", quiet)
+            return {}
+        if data.get("version") != BASELINE_VERSION or not isinstance(data.get("baselines"), dict):
+            self._warn(f"{path}: baseline file version {data.get('version')!r}, this code reads "
+                       f"{BASELINE_VERSION}; ignoring it: baselines start empty", quiet)
+            return {}
+        out, bad = {}, 0
+        for k, ent in data["baselines"].items():
+            samples = ent.get("gbs_samples") if isinstance(ent, dict) else None
+            if (isinstance(samples, list) and samples
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                            for x in samples)
+                    and isinstance(ent.get("bucket"), str)):
+                out[k] = {**ent, "gbs_samples": [float(x) for x in samples][-self.max_samples:]}
+            else:
+                bad += 1
+        if bad:
+            self._warn(f"{path}: {bad} malformed baseline entr{'y' if bad == 1 else 'ies'} ignored", quiet)
+        return out
+
+    def baseline(self, key: str, min_samples: int = 1) -> dict | None:
+        """The entry with its baseline GB/s under "gbs_baseline", or None with < min_samples."""
+        ent = self.entries.get(key)
+        if ent is None or len(ent["gbs_samples"]) < min_samples:
+            return None
+        ent["gbs_baseline"] = _quantile(ent["gbs_samples"], self.quantile)
+        return ent
+
+    def learn(self, key: str, gbs: float, **meta) -> None:
+        ent = self.entries.get(key)
+        if ent is None:
+            ent = self.entries[key] = {"gbs_samples": [], "n": 0, **meta}
+        ent.update(meta)
+        ent["gbs_samples"] = (ent["gbs_samples"] + [float(gbs)])[-self.max_samples:]
+        ent["n"] = int(ent.get("n", 0)) + 1
+        ent["updated_at"] = _now()
+        self._new.setdefault(key, []).append(float(gbs))
+
+    @property
+    def unsaved(self) -> int:
+        return sum(len(v) for v in self._new.values())
+
+    def save(self) -> Path | None:
+        """Merge what was learned since the last save into the file (re-read first: another
+        process may have saved meanwhile) and write it. Returns the path, None if nothing to do."""
+        if self.path is None or not self._new:
+            return None
+        with _STORE_LOCK:
+            on_disk = self._read(quiet=True)           # warned once, at load
+            for key, new in self._new.items():
+                mine = self.entries.get(key, {})
+                ent = dict(on_disk.get(key) or {})
+                base = ent.get("gbs_samples", [])
+                meta = {k: v for k, v in mine.items() if k not in ("gbs_samples", "n", "gbs_baseline")}
+                ent.update(meta)
+                ent["gbs_samples"] = (base + new)[-self.max_samples:]
+                ent["n"] = int(ent.get("n", 0)) + len(new)
+                ent["gbs_baseline"] = _quantile(ent["gbs_samples"], self.quantile)
+                on_disk[key] = ent
+            if len(on_disk) > self.max_entries:             # a cache must not grow without end
+                keep = sorted(on_disk, key=lambda k: str(on_disk[k].get("updated_at", "")))[-self.max_entries:]
+                on_disk = {k: on_disk[k] for k in keep}
+            from workbench.engine.device import _write_cache
+            try:
+                _write_cache(self.path, {"format": BASELINE_FORMAT, "version": BASELINE_VERSION,
+                                         "baselines": on_disk})
+            except OSError as e:                    # a read-only cache: keep them in memory
+                self._warn(f"{self.path}: cannot be written ({e}); bandwidth baselines kept in memory only")
+                return None
+            self.entries = on_disk
+            self._new.clear()
+            return self.path
+
+
+# ---- the probe -------------------------------------------------------------------------------
 class BandwidthProbe(Probe):
     name = "bandwidth"
-    description = "achieved GB/s per step vs the measured peak; low-share steps; page-size config check"
+    description = ("achieved GB/s per step vs this engine's baseline for the same batch shape on this machine; "
+                   "page-size config check")
 
     def __init__(self, peak_gbs: float | None = None, peak_nbytes: int | None = None,
-                 threshold: float | None = None, mixed_threshold: float | None = None,
-                 min_bytes: int = 64 << 20, window: int = 16, min_cpu_share: float = 0.5,
+                 threshold: float | None = 0.5, mixed_threshold: float | None = None,
+                 min_bytes: int = 64 << 20, window: int = 16, min_cpu_share: float | None = None,
+                 baseline_file: str | Path | None | bool = None, learn: bool = True, min_samples: int = 8,
+                 baseline_quantile: float = 0.75, save_every: int = 1000,
+                 peak_max_age_days: float | None = 7.0,
                  msprof_dir: str | None = None, max_rows: int = 100_000, **params):
-        """peak_gbs: the roof (default: device.peak_figures, measured once per machine and cached;
-        peak_nbytes sets its measurement size). threshold: share of peak under which decode-only
-        steps are low (default 0.5 on an accelerator, 0.2 on a shared CPU); mixed_threshold the
-        same for steps with prefill (default threshold / 4). A finding needs the median of the
-        last `window` judged steps under the threshold; steps under min_bytes are not judged,
-        nor CPU steps that got under min_cpu_share of their threads' CPU time (0: judge all)."""
+        """threshold: share of the bucket's baseline under which a step is low (default 0.5);
+        mixed_threshold the same for steps with prefill (default: threshold; reported as info).
+        A finding needs the median of the last `window` judged steps under it. A bucket is judged
+        once it has min_samples clean steps; its baseline is their baseline_quantile.
+        baseline_file: where baselines are kept (default cache_dir()/baselines.json, beside
+        peaks.json; False: in memory only, for this attachment). learn: add clean steps to the
+        baselines (False: judge against the stored ones only). save_every: save after that many
+        learned steps (0: only at detach).
+        peak_gbs: the copy roof, information only (default: device.peak_figures, measured once
+        per machine and cached, re-measured when older than peak_max_age_days, measured on a busy
+        host, or beaten by a step; peak_nbytes sets its measurement size).
+        Steps under min_bytes are not judged, nor CPU steps that got under min_cpu_share of their
+        threads' CPU time (0: judge all; default 0.8 with several torch threads, where one starved
+        thread stalls its siblings at barriers and the step slows far more than its CPU time
+        shows, 0.2 with one thread, whose CPU time is the work done)."""
         super().__init__(peak_gbs=peak_gbs, peak_nbytes=peak_nbytes, threshold=threshold,
                          mixed_threshold=mixed_threshold, min_bytes=min_bytes, window=window,
-                         min_cpu_share=min_cpu_share, msprof_dir=msprof_dir, max_rows=max_rows, **params)
+                         min_cpu_share=min_cpu_share, baseline_file=baseline_file, learn=learn,
+                         min_samples=min_samples, baseline_quantile=baseline_quantile, save_every=save_every,
+                         peak_max_age_days=peak_max_age_days, msprof_dir=msprof_dir, max_rows=max_rows, **params)
         self.max_rows = max_rows
         self.peak_gbs = peak_gbs
+        self.peak = None                     # peak_figures' answer when the probe measured it
         self.peak_nbytes = peak_nbytes
-        self.threshold = threshold
-        self.mixed_threshold = mixed_threshold
+        self.peak_max_age_days = peak_max_age_days
+        self.threshold = 0.5 if threshold is None else threshold
+        self.mixed_threshold = self.threshold if mixed_threshold is None else mixed_threshold
         self.min_bytes = min_bytes
         self.window = window
         self.min_cpu_share = min_cpu_share
-        self._mark = None                    # (process CPU s, wall s) when this step's forward began
+        self.baseline_file = baseline_file
+        self.learn = learn
+        self.min_samples = max(1, int(min_samples))
+        self.baseline_quantile = baseline_quantile
+        self.save_every = save_every
+        self.baselines: BaselineStore | None = None
+        self.machine = self.model = self.model_desc = None
+        self._mark = None                    # (step, process CPU s, wall s) when this step's forward began
         self.msprof_dir = msprof_dir
-        self._shares = {True: deque(maxlen=window), False: deque(maxlen=window)}
+        self._win = {True: deque(maxlen=window), False: deque(maxlen=window)}
         self._checked_page_size = None
+        self._peak_rechecked = False
 
     # ---- lifecycle -----------------------------------------------------------
     def on_attach(self, engine) -> None:
-        accel = engine.device.type != "cpu"
-        if self.threshold is None:
-            self.threshold = 0.5 if accel else 0.2
-        if self.mixed_threshold is None:
-            self.mixed_threshold = self.threshold / 4
+        from workbench.engine.device import cache_dir, machine_key
+        if self.baseline_file is False:
+            path = None
+        elif self.baseline_file in (None, True):
+            path = cache_dir() / BASELINE_FILE
+        else:
+            path = Path(self.baseline_file)
+        self.baselines = BaselineStore(path, quantile=self.baseline_quantile)
+        self.machine = machine_key(engine.device)
+        if self.min_cpu_share is None:
+            import torch
+            self._min_cpu_share = 0.8 if torch.get_num_threads() > 1 else 0.2
+        else:
+            self._min_cpu_share = self.min_cpu_share
+        self.model, self.model_desc = model_identity(engine)
         if self.peak_gbs is None:
             self.guard(self._measure_peak)()
         self.guard(self.check_config)()
-        if engine.device.type == "cpu" and self.min_cpu_share > 0:
+        if engine.device.type == "cpu":
             self.listen(BlockTableBound, self._mark_start)       # bound just before the forward
         self.listen(StepFinished, self.on_step)
+
+    def on_detach(self, engine) -> None:
+        self.guard(self.save_baselines)()
+
+    def save_baselines(self):
+        """Write what was learned to the baseline file (also done at detach and every save_every steps)."""
+        return self.baselines.save() if self.baselines is not None else None
 
     def _mark_start(self, e) -> None:
         self._mark = (e.step, time.process_time(), time.perf_counter())
@@ -91,13 +371,27 @@ class BandwidthProbe(Probe):
         wall = time.perf_counter() - wall0
         return (time.process_time() - cpu0) / (wall * torch.get_num_threads()) if wall > 0 else None
 
-    def _measure_peak(self) -> None:
+    def _measure_peak(self, min_bandwidth_gbs: float | None = None, step: int | None = None) -> None:
         from workbench.engine.device import peak_figures
         kw = {"nbytes": self.peak_nbytes} if self.peak_nbytes else {}
         if self.peak_nbytes:                  # a small measurement: keep the matmul small too
             kw["n"] = 256
-        self.peak = peak_figures(self.engine.device, **kw)
+        old = self.peak_gbs
+        self.peak = peak_figures(self.engine.device, max_age_days=self.peak_max_age_days,
+                                 min_bandwidth_gbs=min_bandwidth_gbs, **kw)
         self.peak_gbs = float(self.peak["bandwidth_gbs"])
+        why = self.peak.get("remeasured_because") or []
+        if why:
+            prev = (self.peak.get("previous") or {}).get("bandwidth_gbs", old)
+            busy = " (the host was still busy: best of %d runs)" % self.peak.get("attempts", 1) \
+                if self.peak.get("busy") else ""
+            self.report(
+                "info", f"measured copy peak re-measured ({'; '.join(why)}): "
+                        f"{prev if prev is not None else float('nan'):.1f} -> {self.peak_gbs:.1f} GB/s{busy}; "
+                        f"it is information here, not the verdict",
+                kind="peak-remeasured", step=self.engine.step_count if step is None else step,
+                evidence={"reasons": why, "peak": {k: v for k, v in self.peak.items() if k != "previous"},
+                          "previous": self.peak.get("previous")})
 
     # ---- config check ----------------------------------------------------------
     def check_config(self) -> None:
@@ -118,62 +412,131 @@ class BandwidthProbe(Probe):
             evidence={"page_size": ps, "attention_backend": backend})
 
     # ---- per step ---------------------------------------------------------------
+    def _baseline_for(self, bucket: str, near: list[str]) -> tuple[dict | None, str | None]:
+        for b in [bucket] + near:
+            ent = self.baselines.baseline(BaselineStore.key(self.machine, self.model, b), self.min_samples)
+            if ent is not None:
+                return ent, b
+        return None, None
+
     def on_step(self, e: StepFinished) -> None:
-        if self.engine.pool.page_size != self._checked_page_size:
+        eng = self.engine
+        ps = eng.pool.page_size
+        if ps != self._checked_page_size:
             self.check_config()
+        backend = getattr(eng.attn, "name", type(eng.attn).__name__)
         nbytes = e.bytes_weights + e.bytes_kv_read + e.bytes_kv_written
         seconds = e.duration_ns / 1e9
         gbs = nbytes / seconds / 1e9 if seconds > 0 else math.nan
-        share = gbs / self.peak_gbs if self.peak_gbs else math.nan
         decode_only = e.num_prefill_tokens == 0
-        cpu_share = self._cpu_share(e.step) if self.engine.device.type == "cpu" else None
-        starved = cpu_share is not None and cpu_share < self.min_cpu_share
-        judged = nbytes >= self.min_bytes and not math.isnan(share) and not starved
+        cpu_share = self._cpu_share(e.step) if eng.device.type == "cpu" else None
+        starved = cpu_share is not None and cpu_share < self._min_cpu_share
+        # On a CPU the verdict's rate is per second of CPU the step's threads got (wall x cpu_share):
+        # a host busy with other work makes steps slower in wall time, not the engine worse.
+        rate = gbs / min(1.0, cpu_share) if cpu_share is not None and cpu_share > 0 else gbs
+        big = nbytes >= self.min_bytes and not math.isnan(gbs)
+        if (big and not starved and self.peak is not None and not self._peak_rechecked
+                and gbs > self.peak_gbs):
+            self._peak_rechecked = True                     # once per attachment: it costs a measurement
+            self._measure_peak(min_bandwidth_gbs=gbs, step=e.step)
+        share = gbs / self.peak_gbs if self.peak_gbs else math.nan
+        bucket, near = step_bucket(e)
+        ent, base_bucket = (None, None)
+        if not big:
+            status = "unjudged-small"
+        elif starved:
+            status = "unjudged-starved"
+        else:
+            ent, base_bucket = self._baseline_for(bucket, near)
+            status = "judged" if ent is not None else "unjudged-baseline"
+        base = ent["gbs_baseline"] if ent is not None else math.nan
+        ratio = rate / base if ent is not None else math.nan
         thr = self.threshold if decode_only else self.mixed_threshold
+        judged = status == "judged"
+        low = judged and ratio < thr
+        learned = (self.learn and big and not starved and not low and page_size_supported(ps))
         self.rows.append({
             "step": e.step, "bytes": nbytes, "bytes_weights": e.bytes_weights,
             "bytes_kv_read": e.bytes_kv_read, "bytes_kv_written": e.bytes_kv_written,
-            "seconds": seconds, "gbs": gbs, "share_of_peak": share, "tokens": e.num_tokens,
-            "bytes_per_token": nbytes / max(1, e.num_tokens), "decode_only": decode_only,
-            "cpu_share": cpu_share, "judged": judged, "low": judged and share < thr,
+            "seconds": seconds, "gbs": gbs, "rate_gbs": rate, "tokens": e.num_tokens, "seqs": e.num_seqs,
+            "bytes_per_token": nbytes / max(1, e.num_tokens), "decode_only": decode_only, "bucket": bucket,
+            "baseline_bucket": base_bucket, "baseline_gbs": base, "vs_baseline": ratio,
+            "baseline_page_size": ent.get("page_size") if ent is not None else None,
+            "page_size": ps, "peak_gbs": self.peak_gbs, "share_of_peak": share, "cpu_share": cpu_share,
+            "status": status, "judged": judged, "low": low, "learned": learned,
         })
         if len(self.rows) > self.max_rows:          # a probe must not become a leak
             del self.rows[: len(self.rows) // 2]
+        if learned:
+            self.baselines.learn(BaselineStore.key(self.machine, self.model, bucket), rate,
+                                 machine=self.machine, model=self.model, model_desc=self.model_desc,
+                                 bucket=bucket, page_size=ps, attention_backend=backend)
+            if self.save_every and self.baselines.unsaved >= self.save_every:
+                self.save_baselines()
         if not judged:
             return
-        win = self._shares[decode_only]
-        win.append(share)
-        if len(win) == self.window and median(win) < thr:
-            self._report_low(e, decode_only, median(win), thr)
+        win = self._win[decode_only]
+        win.append((ratio, base_bucket, rate, ent))
+        if len(win) == self.window:
+            med = median(r for r, *_ in win)
+            if med < thr:
+                self._report_low(e, decode_only, med, thr, list(win), share)
 
-    def _report_low(self, e: StepFinished, decode_only: bool, med: float, thr: float) -> None:
+    def _report_low(self, e: StepFinished, decode_only: bool, med: float, thr: float, win: list,
+                    share: float) -> None:
         what = "decode-only steps" if decode_only else "steps with prefill"
         ps = self.engine.pool.page_size
         backend = getattr(self.engine.attn, "name", type(self.engine.attn).__name__)
+        bucket, _ = Counter(b for _, b, *_ in win).most_common(1)[0]
+        mine = [(g, ent) for _, b, g, ent in win if b == bucket]
+        ent = mine[-1][1]
+        gbs_med = median(g for g, _ in mine)
+        base, bps, bback = ent["gbs_baseline"], ent.get("page_size"), ent.get("attention_backend")
+        nsamp = len(ent["gbs_samples"])
+        peak = (f"; {share:.0%} of the measured copy peak {self.peak_gbs:.1f} GB/s (information, not the verdict)"
+                if self.peak_gbs and not math.isnan(share) else "")
+        per = " (bytes per CPU-second the step got)" if self.engine.device.type == "cpu" else ""
+        msg = (f"{what} ran at {med:.0%} of what this engine reached on this machine for the same batch shape "
+               f"(median of the last {self.window} judged steps; threshold {thr:.0%}): {bucket}: "
+               f"{gbs_med:.3g} GB/s{per} against a baseline of {base:.3g} GB/s (p{self.baseline_quantile * 100:.0f} "
+               f"of {nsamp} clean steps at page_size {bps}, backend '{bback}'; now page_size {ps}, "
+               f"backend '{backend}'){peak}")
         if not page_size_supported(ps):
-            cause = f"page_size={ps} runs the '{backend}' fallback: {PAGE_SIZE_FIX}"
+            cause = (f"page_size={ps} runs the '{backend}' fallback (the baseline ran at page_size {bps} on "
+                     f"'{bback}'): {PAGE_SIZE_FIX}")
+        elif bps != ps or bback != backend:
+            cause = (f"the page size or attention backend changed since the baseline (page_size {bps} -> {ps}, "
+                     f"'{bback}' -> '{backend}'): go back, or check why the new one is slower "
+                     f"(field note 12: keep page_size x head_dim near 2048; kvwb doctor says which kernel runs)")
         else:
-            cause = ("check the attention backend and page size (field note 12: keep page_size x head_dim "
-                     "near 2048), page-table lookups in the kernel, and other work sharing the device")
+            cause = ("same page size and backend as the baseline: look for other work sharing the device, a "
+                     "slower build (kvwb doctor: is the compiled kernel built?), page-table lookups in the kernel, "
+                     "or a change in the engine since the baseline was learned")
         self.report(
-            "warn" if decode_only else "info",
-            f"{what} reach {med * self.peak_gbs:.1f} GB/s, {med:.0%} of the measured peak "
-            f"{self.peak_gbs:.1f} GB/s (median of the last {self.window}; threshold {thr:.0%})",
+            "warn" if decode_only else "info", msg,
             hint=cause, kind="low-bandwidth-decode" if decode_only else "low-bandwidth",
             step=e.step, dedup=("low-bandwidth", decode_only),
-            evidence={"median_share": med, "threshold": thr, "peak_gbs": self.peak_gbs, "page_size": ps,
-                      "attention_backend": backend})
+            evidence={"median_vs_baseline": med, "threshold": thr, "bucket": bucket, "gbs_median": gbs_med,
+                      "baseline_gbs": base, "baseline_samples": nsamp, "baseline_page_size": bps,
+                      "baseline_attention_backend": bback, "baseline_updated_at": ent.get("updated_at"),
+                      "baseline_file": str(self.baselines.path) if self.baselines.path else None,
+                      "page_size": ps, "attention_backend": backend, "peak_gbs": self.peak_gbs,
+                      "share_of_peak": share, "machine": self.machine, "model": self.model_desc})
 
     def reset(self) -> None:
+        """Forget rows, findings and windows; the baselines are this machine's, they stay."""
         super().reset()
-        for w in self._shares.values():
+        for w in self._win.values():
             w.clear()
+
+    COLUMNS = ["step", "bytes", "bytes_weights", "bytes_kv_read", "bytes_kv_written", "seconds", "gbs", "rate_gbs",
+               "tokens", "seqs", "bytes_per_token", "decode_only", "bucket", "baseline_bucket", "baseline_gbs",
+               "vs_baseline", "baseline_page_size", "page_size", "peak_gbs", "share_of_peak", "cpu_share",
+               "status", "judged", "low", "learned"]
 
     def frame(self):
         import pandas as pd
-        cols = ["step", "bytes", "bytes_weights", "bytes_kv_read", "bytes_kv_written", "seconds", "gbs",
-                "share_of_peak", "tokens", "bytes_per_token", "decode_only", "cpu_share", "judged", "low"]
-        return pd.DataFrame(self.rows, columns=cols)
+        return pd.DataFrame(self.rows, columns=self.COLUMNS)
 
     def hbm(self, path: str | None = None):
         """msprof's HBM bandwidth (read_msprof_hbm) with each row's share of the measured peak."""

@@ -30,6 +30,12 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Peaks and bandwidth baselines in a folder of this test's own, not the machine's cache."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def loud(wb, severity="warn"):
     return [(f.probe, f.kind, f.message) for f in wb.findings_at_least(severity)]
 
@@ -58,21 +64,21 @@ def test_bandwidth_rows_from_step_events_against_measured_peak(tiny_llama_dir, t
     assert loud(wb) == []
 
 
-def test_low_share_flagged_for_decode_steps_only_when_judged(tiny_llama_dir):
+def test_share_of_peak_is_information_not_the_verdict(tiny_llama_dir):
+    """A roof no step comes near (a peak cached on another day, a copy benchmark small-batch decode is
+    not bound by) makes every step a tiny share of it: a column, never a finding. Steps of a shape
+    are judged against what this engine reached for it (tests/test_probe_bandwidth_baseline.py)."""
     eng = tiny(tiny_llama_dir, num_pages=128)
     prompts = [[5, 6, 7] * 10, [9] * 40]
-    judge_all = dict(min_bytes=0, min_cpu_share=0, window=4)       # even tiny steps, even on a busy machine
-    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e9, **judge_all))
-    wb.run(prompts, GREEDY)
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e9, min_bytes=0, window=8))
+    for _ in range(3):
+        wb.run(prompts, GREEDY)
     df = wb.probe("bandwidth").frame()
-    assert df["low"].all()
-    (f,) = wb.findings_at_least("warn")
-    assert f.kind == "low-bandwidth-decode" and "decode-only" in f.message and f.step <= df["step"].iloc[0] + 5
+    assert (df["share_of_peak"] < 1e-6).all() and (df["peak_gbs"] == 1e9).all()
+    judged = df[df["judged"]]
+    assert len(judged) > 20 and judged["vs_baseline"].median() > 0.7  # against the baseline, not the roof
+    assert wb.findings.empty
     wb.detach()
-    # A roof the steps beat: same run, nothing low.
-    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e-9, **judge_all))
-    wb.run(prompts, GREEDY)
-    assert not wb.probe("bandwidth").frame()["low"].any() and wb.findings.empty
 
 
 HBM = ("Device_id,Metric,Read(MB/s),Write(MB/s)\n"

@@ -1,0 +1,308 @@
+"""The bandwidth probe's verdict is a regression against what this engine reached on this machine,
+for this model, at the same batch shape (baselines.json beside peaks.json), never a share of a
+copy peak cached on some other day: a peak measured while the host was busy, a stale one or one a
+step beat is measured again and stays information; a clean run without a baseline says nothing; a
+real slowdown of the same shapes is a warning naming the shape and the baseline; slow_page_size
+is caught against the baseline of the supported page size."""
+import datetime as dt
+import json
+import time
+
+import pytest
+import torch
+
+from probes.bandwidth import BASELINE_FORMAT, BaselineStore, _count_index, bucket_label
+from workbench import Engine, EngineConfig, SamplingParams, Workbench, faults
+from workbench.engine import device as dev
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+PROMPTS = [[5 + i] * 40 for i in range(4)]                 # 4 sequences decoding side by side
+TINY = dict(min_bytes=0, window=8)                         # the tiny model's steps are far under 64 MiB
+SMALL_PEAK = dict(nbytes=1 << 20, n=256, repeats=5)        # what peak_nbytes=1 MiB measures
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """One torch thread (a shared 2-core machine) and a cache folder of this test's own."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(path))
+    yield path
+    torch.set_num_threads(n)
+
+
+def tiny(path, **cfg):
+    cfg.setdefault("enable_prefix_caching", False)
+    cfg.setdefault("num_pages", 256)
+    return Engine.from_pretrained(path, EngineConfig(**cfg))
+
+
+def loud(wb):
+    return [(f.kind, f.message) for f in wb.findings_at_least("warn")]
+
+
+def iso(seconds_ago: float) -> str:
+    t = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds_ago)
+    return t.isoformat(timespec="seconds")
+
+
+def plant_peak(cache, **entry):
+    key = dev.machine_key("cpu")
+    base = {"bandwidth_nbytes": SMALL_PEAK["nbytes"], "matmul_n": SMALL_PEAK["n"], "matmul_dtype": "float32",
+            "repeats": 5, "matmul_gflops": 50.0, "device": "cpu"}
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "peaks.json").write_text(json.dumps({key: {**base, **entry}}))
+    return key
+
+
+# ---- the peak: information, re-measured when it cannot be trusted ------------------------------
+PLANTED = {
+    # measured an hour ago while other work took 80% of the host: retried
+    "busy": (dict(bandwidth_gbs=1e6, busy=True, host_others_share=0.8, measured_at=iso(3600)), "busy"),
+    # a month old
+    "stale": (dict(bandwidth_gbs=1e6, busy=False, host_others_share=0.0, measured_at=iso(30 * 86400)), "stale"),
+    # written by a version that never looked at the host's load (the production peaks.json)
+    "no-load-check": (dict(bandwidth_gbs=1e6, measured_at=iso(60)), "without a check"),
+    # fresh and quiet, but every step moves more than it: implausible
+    "beaten": (dict(bandwidth_gbs=1e-3, busy=False, host_others_share=0.0, measured_at=iso(60)),
+               "implausible: a step reached"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLANTED))
+def test_untrustworthy_cached_peak_is_remeasured_and_no_verdict_on_a_clean_run(case, sharp_llama_dir, cache):
+    entry, why = PLANTED[case]
+    key = plant_peak(cache, **entry)
+    eng = tiny(sharp_llama_dir)
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_nbytes=1 << 20, **TINY))
+    p = wb.probe("bandwidth")
+    for _ in range(2):
+        wb.run(PROMPTS, GREEDY)
+    assert loud(wb) == []                   # a 1e6 GB/s "peak" made every step 0% of it: no verdict
+    assert p.peak["source"] == "measured" and any(why in r for r in p.peak["remeasured_because"])
+    assert p.peak_gbs != entry["bandwidth_gbs"]
+    (f,) = [f for f in wb.all_findings() if f.kind == "peak-remeasured"]
+    assert f.severity == "info" and why in f.message and "not the verdict" in f.message
+    stored = json.loads((cache / "peaks.json").read_text())[key]
+    assert stored["bandwidth_gbs"] == p.peak_gbs and "busy" in stored and "host_others_share" in stored
+    assert dev._age_s(stored["measured_at"]) < 600
+    df = p.frame()
+    assert df["judged"].any() and df["share_of_peak"].notna().all()
+    # at attach, or (beaten) at the first step that moved more than it
+    assert f.step == (df["step"].iloc[0] if case == "beaten" else 0) and (df["peak_gbs"] == p.peak_gbs).all()
+    wb.detach()
+
+
+def host(monkeypatch, others: float):
+    """/proc/stat as if other work took `others` of the host during every measurement."""
+    ticks = iter(range(0, 10**9, 100))
+
+    def proc_ticks():                       # each call 100 host ticks later; ours: 5 of each 100
+        t = next(ticks)
+        return int(t * (others + 0.05)), t, t * 5 // 100
+    monkeypatch.setattr(dev, "_proc_ticks", proc_ticks)
+
+
+def test_peak_figures_policy_without_measuring(monkeypatch):
+    host(monkeypatch, others=0.0)
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    first = dev.peak_figures("cpu", **SMALL_PEAK)
+    assert first["source"] == "measured" and first["remeasured_because"] == [] and "busy" in first
+    path, key = dev.cache_dir() / "peaks.json", first["key"]
+
+    def edit(**kw):
+        data = json.loads(path.read_text())
+        data[key].update(kw)
+        path.write_text(json.dumps(data))
+
+    edit(busy=True, host_others_share=0.7, measured_at=iso(10))   # busy, but just measured: no thrash
+    assert dev.peak_figures("cpu", **SMALL_PEAK)["source"] == "cache"
+    edit(busy=True, measured_at=iso(3600))                         # busy, and old enough to retry
+    again = dev.peak_figures("cpu", **SMALL_PEAK)
+    assert again["source"] == "measured" and "busy" in again["remeasured_because"][0]
+    assert again["previous"]["busy"] is True
+    edit(measured_at=iso(8 * 86400))
+    assert "stale" in dev.peak_figures("cpu", **SMALL_PEAK)["remeasured_because"][0]
+    assert dev.peak_figures("cpu", max_age_days=30, **SMALL_PEAK)["source"] == "cache"
+    assert dev.peak_figures("cpu", min_bandwidth_gbs=5.0, **SMALL_PEAK)["source"] == "cache"
+    out = dev.peak_figures("cpu", min_bandwidth_gbs=12.0, **SMALL_PEAK)
+    assert out["source"] == "measured" and "implausible" in out["remeasured_because"][0]
+
+
+def test_busy_measurement_is_repeated_and_the_best_kept(monkeypatch):
+    """Other work takes 90% of the host while each measurement runs: three tries, best figures kept,
+    the entry marked busy."""
+    host(monkeypatch, others=0.9)
+    bws = iter([5.0, 9.0, 7.0])
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: next(bws))
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(dev.time, "sleep", lambda s: None)
+    out = dev.peak_figures("cpu", **SMALL_PEAK)
+    assert out["attempts"] == 3 and out["bandwidth_gbs"] == 9.0 and out["busy"] is True
+    assert out["host_others_share"] == pytest.approx(0.9) and out["host_load_method"] == "/proc/stat"
+
+
+# ---- the baseline: learned from clean steps, the verdict's reference ------------------------------
+def test_clean_run_without_baseline_gives_no_warning(sharp_llama_dir, cache):
+    eng = tiny(sharp_llama_dir)
+    eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2))           # warm-up
+    # Nothing to judge against (learn=False, no file): every step recorded, none judged, nothing said,
+    # though a roof no step comes near makes each a millionth of "the peak".
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e6, learn=False, **TINY))
+    wb.run(PROMPTS, GREEDY)
+    df = wb.probe("bandwidth").frame()
+    assert (df["status"] == "unjudged-baseline").all() and not df["judged"].any()
+    assert (df["share_of_peak"] < 1e-5).all() and wb.findings.empty
+    wb.detach()
+    assert not (cache / "baselines.json").exists()
+    # Learning (the default): the first min_samples steps of each shape are the baseline, the rest
+    # are judged against it; a clean run stays quiet and leaves its baselines behind at detach.
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e6, **TINY))
+    wb.run(PROMPTS, GREEDY)
+    wb.run(PROMPTS, GREEDY)
+    p = wb.probe("bandwidth")
+    df = p.frame()
+    first = df[(df["bucket"] == df["bucket"].iloc[1]) & (df["status"] != "unjudged-starved")]
+    assert (first["status"].iloc[:8] == "unjudged-baseline").all() and (first["status"].iloc[8:] == "judged").all()
+    judged = df[df["judged"]]                # a shape is judged against itself, or the next KV bucket's
+    assert len(judged) > 0 and judged["baseline_bucket"].notna().all()
+    assert loud(wb) == []
+    wb.detach()
+    saved = json.loads((cache / "baselines.json").read_text())
+    assert saved["format"] == BASELINE_FORMAT and saved["version"] == 1
+    assert {e["bucket"] for e in saved["baselines"].values()} == set(df.loc[df["learned"], "bucket"])
+
+
+def wasteful_decode(eng, cpu_s=0.003):
+    """The attention backend's decode, re-run until cpu_s of CPU time has gone: the same answer,
+    every page re-read many times over (real work, so it counts as CPU time, not a starved step)."""
+    orig = eng.attn.decode
+
+    def decode(q, k_cache, v_cache, groups, out):
+        t = time.process_time()
+        orig(q, k_cache, v_cache, groups, out)
+        while time.process_time() - t < cpu_s:
+            orig(q, k_cache, v_cache, groups, out)
+    return decode
+
+
+def test_regression_against_the_learned_baseline_names_shape_and_baseline(sharp_llama_dir, cache):
+    eng = tiny(sharp_llama_dir)
+    eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
+    ref = [o.token_ids for o in wb.run(PROMPTS, GREEDY)]
+    wb.run(PROMPTS, GREEDY)
+    assert loud(wb) == []
+    learned = wb.probe("bandwidth").baselines.entries
+    wb.detach()                                                      # saved: baselines.json
+    # The file round-trips: a fresh store reads back what the probe learned.
+    store = BaselineStore(cache / "baselines.json")
+    assert set(store.entries) == set(learned)
+    for k, ent in learned.items():
+        assert store.entries[k]["gbs_samples"] == pytest.approx(ent["gbs_samples"])
+        assert store.entries[k]["page_size"] == 16 and store.entries[k]["n"] == ent["n"]
+    # A new attachment (another run, same machine) judges against it from its first step.
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
+    p = wb.probe("bandwidth")
+    first = eng.step_count + 1
+    eng.attn.decode = wasteful_decode(eng)
+    try:
+        outs = wb.run(PROMPTS, GREEDY)
+    finally:
+        del eng.attn.decode
+    assert [o.token_ids for o in outs] == ref                        # slower, not wrong
+    (f,) = wb.findings_at_least("warn")
+    assert f.kind == "low-bandwidth-decode" and f.step - first <= 8 + 6
+    ev = f.evidence
+    decode_4 = bucket_label(True, _count_index(4), 0).split("|kv=")[0]   # 'decode|seqs=3-4'
+    assert ev["bucket"].startswith(decode_4) and ev["bucket"] in f.message
+    assert ev["baseline_gbs"] > 2 * ev["gbs_median"] and ev["median_vs_baseline"] < 0.5
+    assert ev["baseline_page_size"] == 16 and ev["baseline_file"] == str(cache / "baselines.json")
+    assert "baseline of" in f.message and "page_size 16" in f.message and "same page size" in f.hint
+    df = p.frame()
+    slow = df[df["decode_only"] & df["judged"]]
+    assert slow["low"].mean() > 0.8 and not slow.loc[slow["low"], "learned"].any()   # the slow steps teach nothing
+    # Undone: the same shapes are back at their baseline, the probe is quiet.
+    wb.reset()
+    wb.run(PROMPTS, GREEDY)
+    assert loud(wb) == [] and p.frame()["judged"].any()
+    wb.detach()
+
+
+def test_slow_page_size_is_a_regression_against_the_supported_page_size(sharp_llama_dir):
+    """The fault keeps the model and the batch shapes and re-pages to 12 tokens: the baseline key
+    has no page size, so the same shapes are judged against what page_size 16 reached."""
+    eng = tiny(sharp_llama_dir, num_pages=512)
+    long = [[7 + i] * 500 for i in range(4)]                          # attention has real context to read
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
+    for _ in range(2):
+        wb.run(long, GREEDY)
+    assert loud(wb) == []
+    with faults.inject(eng, "slow_page_size"):
+        wb.run(long, GREEDY)
+    errors = wb.findings_at_least("error")
+    assert [f.kind for f in errors] == ["page-size"]                  # the config check, as before
+    (w,) = [f for f in wb.findings_at_least("warn") if f.severity == "warn"]
+    assert w.kind == "low-bandwidth-decode" and w.evidence["baseline_page_size"] == 16
+    assert w.evidence["page_size"] == 12 and w.evidence["attention_backend"] == "torch-fallback"
+    assert "now page_size 12, backend 'torch-fallback'" in w.message
+    assert "page_size=12" in w.hint and "baseline ran at page_size 16" in w.hint and "16, 32, 64 or 128" in w.hint
+    df = wb.probe("bandwidth").frame()
+    assert not df.loc[df["page_size"] == 12, "learned"].any()        # nothing learned from the fallback
+    wb.detach()
+
+
+# ---- the file ------------------------------------------------------------------------------------------
+def test_baseline_file_round_trip_and_corrupt_or_foreign_files(tmp_path):
+    path = tmp_path / "baselines.json"
+    store = BaselineStore(path)
+    key = BaselineStore.key("m", "fp", "decode|seqs=1|kv=0")
+    for g in (1.0, 2.0, 3.0, 4.0, 5.0):
+        store.learn(key, g, machine="m", model="fp", bucket="decode|seqs=1|kv=0", page_size=16,
+                    attention_backend="cpu")
+    assert store.baseline(key, min_samples=6) is None and store.baseline(key)["gbs_baseline"] == 4.0
+    assert store.save() == path and store.save() is None             # nothing new: no write
+    data = json.loads(path.read_text())                               # JSON, by construction
+    assert data["format"] == BASELINE_FORMAT and data["baselines"][key]["gbs_samples"] == [1, 2, 3, 4, 5]
+    again = BaselineStore(path)
+    assert again.entries[key]["gbs_samples"] == [1, 2, 3, 4, 5] and again.baseline(key)["gbs_baseline"] == 4.0
+    # Two stores learning at once (two processes): the second save merges, it does not clobber.
+    a, b = BaselineStore(path), BaselineStore(path)
+    a.learn(key, 6.0, bucket="decode|seqs=1|kv=0")
+    b.learn(key, 7.0, bucket="decode|seqs=1|kv=0")
+    a.save()
+    b.save()
+    assert BaselineStore(path).entries[key]["gbs_samples"] == [1, 2, 3, 4, 5, 6, 7]
+    assert BaselineStore(path).entries[key]["n"] == 7
+    # Corrupt, foreign, malformed: a warning naming the file, and the store starts without them.
+    for text, what in (("{not json", "not JSON"), ("[1, 2, 3]", "not a bandwidth baseline file"),
+                       (json.dumps({"peaks": 1}), "not a bandwidth baseline file"),
+                       (json.dumps({"format": BASELINE_FORMAT, "version": 99, "baselines": {}}), "version 99")):
+        path.write_text(text)
+        with pytest.warns(RuntimeWarning, match=f"{path.name}.*{what}"):
+            bad = BaselineStore(path)
+        assert bad.entries == {} and bad.warnings
+        bad.learn(key, 2.0, bucket="decode|seqs=1|kv=0")
+        bad.save()                                                    # replaced by a valid file
+        assert json.loads(path.read_text())["baselines"][key]["gbs_samples"] == [2.0]
+    ok = {"bucket": "b", "gbs_samples": [1.0]}
+    path.write_text(json.dumps({"format": BASELINE_FORMAT, "version": 1, "baselines": {
+        "good": ok, "strings": {**ok, "gbs_samples": ["fast"]}, "negative": {**ok, "gbs_samples": [-1.0]},
+        "nan": {**ok, "gbs_samples": [float("nan")]}, "not-a-dict": 3}}))
+    with pytest.warns(RuntimeWarning, match=f"{path.name}: 4 malformed"):
+        mixed = BaselineStore(path)
+    assert list(mixed.entries) == ["good"]
+
+
+def test_probe_with_a_corrupt_baseline_file_still_runs(sharp_llama_dir, cache):
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "baselines.json").write_bytes(b"\x80\x04\x95 a pickle, not JSON")
+    eng = tiny(sharp_llama_dir)
+    with pytest.warns(RuntimeWarning, match="baselines.json"):
+        wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
+    wb.run(PROMPTS, GREEDY)
+    assert not [f for f in wb.all_findings() if f.kind == "probe-error"] and loud(wb) == []
+    wb.detach()
+    assert json.loads((cache / "baselines.json").read_text())["format"] == BASELINE_FORMAT
