@@ -17,23 +17,22 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, RequestAdmitted, RequestArrived,
-                      RequestFinished, RequestPreempted, RequestSubmitted, StepFinished, now_ns)
+from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, RequestArrived, RequestSubmitted,
+                      StepFinished, now_ns)
 from ..events import RequestRejected as RequestRejectedEvent
 from ..locks import InstrumentedLock
-from . import consumers, instrumentation
-from .attention import get_backend
-from .batch import BatchBuilder, PackedBatch
-from .config import ConfigError, EngineConfig
+from . import consumers, instrumentation, lifecycle
+from .batch import PackedBatch
+from .config import EngineConfig
 from .device import resolve_device
-from .kv_cache import KVCache, page_bytes, torch_dtype
-from .kv_manager import KVCacheManager, pages_for
+from .kv_cache import torch_dtype
+from .kv_manager import pages_for
 from .model import LlamaModel
 from .outputs import RequestOutput, RequestRejected
-from .pages import PagePool
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import SamplingParams, Sequence
+from .scheduler import SchedulerOutput
+from .sequence import SamplingParams, Sequence, SeqStatus
+from .stack import DEFAULT_NUM_PAGES, KVStack, build_stack, kv_dtypes, pool_pages  # noqa: F401
 from .weights import LoadedModel, default_model_path, load_model
 
 log = logging.getLogger("workbench.engine")
@@ -53,32 +52,13 @@ class Engine:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.dtype = torch_dtype(config.dtype)
-        kv_name = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        self.kv_dtype = torch_dtype("float16" if kv_name == "fp16_scaled" else kv_name)
-        self.kv_scaled = kv_name == "fp16_scaled"      # fp16 pages with a scale per page (kv_scale.py)
+        self.kv_dtype, self.kv_scaled = kv_dtypes(config)   # fp16_scaled: fp16 pages with a scale each
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        ps = config.page_size
-        per_page = page_bytes(mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
-        if config.kv_cache_bytes is not None:
-            num_pages = config.kv_cache_bytes // per_page
-            if num_pages < 1:
-                raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes} holds no page "
-                                  f"(one page costs {per_page} bytes)")
-        else:
-            num_pages = config.num_pages or DEFAULT_NUM_PAGES
-        self.num_pages = num_pages
         self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
                                 max_positions=self.max_model_len)
-        self.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim,
-                          self.kv_dtype, self.device, scaled=self.kv_scaled)
-        self.attn = get_backend(self.device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim, page_size=ps)
-        self.pool = PagePool(num_pages, ps, config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.watermark)
-        self.builder = BatchBuilder(config.max_num_batched_tokens, config.max_num_seqs,
-                                    pages_for(self.max_model_len, ps), ps, self.device)
+        # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
+        self._install(build_stack(config, pool_pages(config, mc), mc, self.device, self.max_model_len))
         self.sampler = Sampler(config.seed)
         # Events: emitted only for types someone subscribes to (see instrumentation.py).
         self.bus = EventBus()
@@ -116,8 +96,44 @@ class Engine:
         self.capture = consumers.from_config(self)
         self._publish_stats()       # sharded: stats() has a snapshot before the first step
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
-                 num_pages, ps, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
+                 self.num_pages, config.page_size, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
                  self.max_model_len)
+
+    def _install(self, stack: KVStack) -> None:
+        """Make stack the engine's pool, scheduler, builder, KV cache and backend."""
+        self.stack = stack
+        self.config, self.num_pages = stack.config, stack.num_pages
+        self.pool, self.kv_manager, self.scheduler = stack.pool, stack.kv_manager, stack.scheduler
+        self.kv, self.builder, self.attn = stack.kv, stack.builder, stack.attn
+        self.last_batch = None
+        if hasattr(self, "model_hooks"):          # re-paged: rewire the pool observer and hooks
+            self.model_hooks.kv_bytes_per_page_layer = self.kv.bytes_per_page // max(1, self.model_config.num_layers)
+            instrumentation.refresh(self)
+
+    def repage(self, page_size: int, **config_changes) -> KVStack:
+        """Rebuild the KV stack for another page size with the same KV memory; returns the old
+        stack (give it to restore_stack() to go back). Requests still live are re-queued and
+        recomputed on the new pool, like a preemption."""
+        cfg = self.config.replace(page_size=page_size, **config_changes)
+        num_pages = max(1, self.num_pages * self.config.page_size // page_size)
+        return self.restore_stack(build_stack(cfg, num_pages, self.model_config, self.device, self.max_model_len))
+
+    def restore_stack(self, stack: KVStack) -> KVStack:
+        """Swap stack in (live requests re-queued on it, recomputed); returns the stack it replaced."""
+        with self.lock:
+            old = self.stack
+            live = list(old.scheduler.running) + list(old.scheduler.waiting)
+            for s in live:
+                old.kv_manager.release(s)
+                s.num_computed_tokens = s.num_cached_tokens = 0
+                s.status = SeqStatus.WAITING
+            old.scheduler.running.clear()
+            old.scheduler.waiting.clear()
+            stack.scheduler.num_preemptions = old.scheduler.num_preemptions
+            stack.scheduler.waiting.extend(live)
+            self._install(stack)
+            self._publish_stats()
+        return old
 
     # ---- construction -----------------------------------------------------
     @classmethod
@@ -153,16 +169,7 @@ class Engine:
         raise RequestRejected(f"a prompt is text, a list of token ids or chat messages, not {type(prompt).__name__}")
 
     def validate_prompt(self, ids: list[int]) -> None:
-        ps = self.config.page_size
-        if not ids:
-            raise RequestRejected("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(f"prompt of {len(ids)} tokens does not fit the model's max length "
-                                  f"{self.max_model_len} (one token must be left to generate)")
-        if pages_for(len(ids) + 1, ps) > self.num_pages:
-            raise RequestRejected(
-                f"prompt of {len(ids)} tokens needs {pages_for(len(ids) + 1, ps)} pages of {ps} tokens, "
-                f"more than the whole pool ({self.num_pages} pages); raise num_pages or kv_cache_bytes")
+        lifecycle.check_prompt_len(len(ids), self.max_model_len, self.num_pages, self.config.page_size)
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     request_id: Any = None) -> int:
@@ -177,9 +184,9 @@ class Engine:
             raise
         with self._id_lock:
             rid = next(self._ids)
-        cap = min(self.max_model_len, self.num_pages * self.config.page_size)
-        seq = Sequence(rid, ids, params, max_len=min(cap, len(ids) + params.max_tokens),
-                       user_request_id=request_id)
+        seq = Sequence(rid, ids, params, user_request_id=request_id,
+                       max_len=lifecycle.max_len(len(ids), params.max_tokens, self.max_model_len, self.num_pages,
+                                                 self.config.page_size))
         if self.bus.wants(RequestSubmitted):      # on the caller's thread, before add_request returns
             self.bus.emit(RequestSubmitted(self.step_count, now_ns(), rid, request_id, ids, params,
                                            seq.arrival_time))
@@ -254,7 +261,7 @@ class Engine:
                         self.scheduler.finish(seq, "abort")
                     seq.finish_time = time.perf_counter()
                     self._publish_stats()       # sharded: stats() shows the abort before the step ends
-                    self._emit_finished(seq)
+                    lifecycle.emit_finished(self.bus, self.step_count, now_ns(), seq)
                     aborted.append(self._output(seq))
 
     def step(self) -> list[RequestOutput]:
@@ -275,7 +282,7 @@ class Engine:
             self._note_idle()
             return outputs
         self._idle = False
-        self._emit_schedule(sched)
+        lifecycle.emit_schedule(bus, self.step_count, now_ns(), sched)
         self.last_schedule = sched
         with self.lock:
             batch = self.builder.build(sched.scheduled)
@@ -284,7 +291,7 @@ class Engine:
             bt = self.builder.block_tables
             bus.emit(BlockTableBound(self.step_count, now_ns(), bt.version, bt.checksum, *bt.shape))
         if bus.wants(BatchPacked):
-            self._emit_packed(batch, sched)
+            lifecycle.emit_packed(bus, self.step_count, now_ns(), sched, batch)
         logits = self.model.forward(batch, self.kv, self.attn)
         with self.lock:
             for seq, n in sched.scheduled:
@@ -298,16 +305,18 @@ class Engine:
                 seq.append_token(tok)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                reason = self._stop_reason(seq, tok)
+                reason = lifecycle.stop_reason(seq, tok, self.eos_token_ids)
                 if reason is not None:
                     with self.lock:
                         self.scheduler.finish(seq, reason)
                     seq.finish_time = now
                     del self._seqs[seq.request_id]
-                    self._emit_finished(seq)
+                    lifecycle.emit_finished(bus, self.step_count, now_ns(), seq)
                 outputs.append(self._output(seq))
         if bus.wants(StepFinished):
-            self._emit_step(batch, time.perf_counter_ns() - t0)
+            kv_read, kv_written = self.step_bytes(batch)
+            lifecycle.emit_step(bus, self.step_count, now_ns(), time.perf_counter_ns() - t0, sched, self.pool,
+                                self.scheduler, self.weight_bytes, kv_read, kv_written)
         self._publish_stats()
         self._note_idle()
         return outputs
@@ -321,33 +330,6 @@ class Engine:
             self.bus.emit(EngineIdle(self.step_count, now_ns(), self.pool.num_used, self.pool.num_cached_free))
 
     # ---- events --------------------------------------------------------------
-    def _emit_schedule(self, sched: SchedulerOutput) -> None:
-        bus, step = self.bus, self.step_count
-        if sched.preempted and bus.wants(RequestPreempted):
-            for s in sched.preempted:
-                bus.emit(RequestPreempted(step, now_ns(), s.request_id, *s.last_preemption))
-        if sched.admitted and bus.wants(RequestAdmitted):
-            for s in sched.admitted:
-                bus.emit(RequestAdmitted(step, now_ns(), s.request_id, s.num_cached_tokens, len(s.pages)))
-
-    def _emit_packed(self, batch: PackedBatch, sched: SchedulerOutput) -> None:
-        # The lengths come from the scheduler's decision and the sequences' own state, not from
-        # the builder's copies: a probe then checks the packed tensors against what was meant.
-        q = [n for _, n in sched.scheduled]
-        self.bus.emit(BatchPacked(
-            self.step_count, now_ns(), tuple(s.request_id for s, _ in sched.scheduled), tuple(q),
-            tuple(s.num_computed_tokens + n for s, n in sched.scheduled), sum(q), sum(1 for n in q if n > 1),
-            sum(1 for n in q if n == 1), batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping,
-            batch.max_seqlen_q, batch.max_seqlen_k))
-
-    def _emit_finished(self, seq: Sequence) -> None:
-        if self.bus.wants(RequestFinished):
-            ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-            lat = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
-            self.bus.emit(RequestFinished(self.step_count, now_ns(), seq.request_id, seq.finish_reason or "",
-                                          seq.num_prompt_tokens, len(seq.output_token_ids),
-                                          seq.num_preemptions, ttft, lat))
-
     def step_bytes(self, batch: PackedBatch) -> tuple[int, int]:
         """(KV bytes read, KV bytes written) by this step's attention, from the block tables."""
         plan = batch.attn_plan
@@ -356,26 +338,6 @@ class Engine:
         elem = self.kv.k[0].element_size()
         written = batch.num_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
         return pages * self.kv.bytes_per_page, written
-
-    def _emit_step(self, batch: PackedBatch, dt_ns: int) -> None:
-        kv_read, kv_written = self.step_bytes(batch)
-        q = batch.query_lens_np
-        pool = self.pool
-        self.bus.emit(StepFinished(
-            self.step_count, now_ns(), dt_ns, batch.num_tokens, batch.num_seqs, int(q[q > 1].sum()),
-            int((q == 1).sum()), self.weight_bytes, kv_read, kv_written, pool.num_used,
-            pool.num_cached_free, len(self.scheduler.running), len(self.scheduler.waiting),
-            self.scheduler.num_preemptions))
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            return "stop"
-        if tok in p.stop_token_ids:
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len:
-            return "length"
-        return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -487,20 +449,7 @@ class Engine:
         return self.table_locks[hash(key) % len(self.table_locks)]
 
     def _stats(self, pool) -> dict:
-        return {
-            "pages_total": pool.num_pages,
-            "pages_used": pool.num_used,
-            "pages_cached": pool.num_cached_free,
-            "pages_free": pool.num_free,
-            "kv_cache_usage": pool.usage(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
-            "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
-            "num_evictions": pool.num_evictions,
-            "steps": self.step_count,
-        }
+        return lifecycle.stats(pool, self.scheduler, self.kv_manager, self.step_count)
 
     def live_sequences(self) -> list[Sequence]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)

@@ -71,12 +71,20 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
     def page_key(self, i: int, page_size: int) -> tuple:
         """What page i holds, for prefix-cache matching: its tokens."""
         return tuple(self.token_ids[i * page_size:(i + 1) * page_size])
+
+    def page_keys(self, start: int, stop: int, page_size: int) -> list[tuple]:
+        """page_key of pages start..stop-1 (the prefix cache hashes them in one go)."""
+        return [self.page_key(i, page_size) for i in range(start, stop)]
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
