@@ -74,8 +74,8 @@ def test_npu_cumulative_lengths_in_the_plan_are_checked(sharp_llama_dir, monkeyp
     # both against the sequences' state; here the kv lengths are built from the query lengths.
     real = TorchPagedAttention.plan
 
-    def plan(self, batch):
-        p = real(self, batch)
+    def plan(self, batch, *a):
+        p = real(self, batch, *a)
         p.actual_seq_lengths = batch.cu_seqlens_q_np[1:].tolist()
         p.actual_seq_lengths_kv = batch.query_lens_np.tolist()              # the bug
         return p

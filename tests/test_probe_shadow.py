@@ -156,18 +156,19 @@ def test_kv_write_into_the_wrong_slot_is_a_bad_write_naming_the_page(sharp_llama
     eng = make_engine(sharp_llama_dir)
     wb, probe = watched(eng)
     target, pos = ids[1], 20 + 2                  # request 1's third generated token goes one page off
-    cls = type(eng.attn)                          # patching the backend's write also turns off the fused store
+    cls = type(eng.attn)
+    monkeypatch.setattr(eng.attn, "fuse_rope_write", False)    # the seam: every K/V write through write_kv
     orig = cls.write_kv
     n = eng.num_pages
 
-    def write_kv(self, k, v, k_cache, v_cache, batch):
+    def write_kv(self, k, v, k_cache, v_cache, batch, plan=None):
         for i, s in enumerate(batch.seqs):
             if s.request_id == target and s.num_computed_tokens == pos and batch.query_lens_np[i] == 1:
                 slots = batch.slot_mapping.clone()
                 r = int(batch.cu_seqlens_q_np[i])
                 slots[r] += PS if int(slots[r]) // PS + 1 < n else -PS
                 batch = dataclasses.replace(batch, slot_mapping=slots)
-        return orig(self, k, v, k_cache, v_cache, batch)
+        return orig(self, k, v, k_cache, v_cache, batch, plan)
 
     monkeypatch.setattr(cls, "write_kv", write_kv)
     bad, ids, pages = run(eng, prompts)
@@ -204,8 +205,8 @@ def test_wrong_causal_mask_after_chunk_or_prefix_hit_is_a_bad_read(sharp_llama_d
 
     orig = TorchPagedAttention.plan
 
-    def plan(self, batch):
-        p = orig(self, batch)
+    def plan(self, batch, *a):
+        p = orig(self, batch, *a)
         for s in p.prefill:
             if s.mask is not None:                # rebuilt, not shifted: the plan is shared by all layers
                 n, c = s.end - s.start, s.context
@@ -262,7 +263,7 @@ def test_decode_kernel_reading_another_rows_table_is_a_bad_read(sharp_llama_dir,
     cls = type(make_engine(sharp_llama_dir).attn)
     orig = cls.plan_decode
 
-    def plan_decode(self, batch, rows_all):
+    def plan_decode(self, batch, rows_all, *a):
         rows = [i for i in rows_all.tolist() if batch.seqs[i].request_id == target]
         if rows and len(rows_all) > 1:            # its row of the table the kernel walks is another row's
             r = rows[0]
@@ -270,7 +271,7 @@ def test_decode_kernel_reading_another_rows_table_is_a_bad_read(sharp_llama_dir,
             bt = batch.block_tables.clone()
             bt[r] = bt[other]
             batch = dataclasses.replace(batch, block_tables=bt)
-        return orig(self, batch, rows_all)
+        return orig(self, batch, rows_all, *a)
 
     monkeypatch.setattr(cls, "plan_decode", plan_decode)
     eng = make_engine(sharp_llama_dir)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from .attention import native
 from .attention.base import AttentionBackend
-from .attention.torch_ref import TorchPagedAttention
 from .batch import PackedBatch
 from .kv_cache import KVCache
 from .linear import Linear
@@ -102,32 +101,35 @@ class LlamaModel:
         h = F.embedding(batch.input_ids, self.embed)
         cos = self.cos.index_select(0, batch.positions)
         sin = self.sin.index_select(0, batch.positions)
-        # RoPE and the K/V store fused in one compiled pass where the caches take a plain
-        # float32 write by slot (the layout contract); the torch path everywhere else.
-        fused = native.kernel() if (self.device.type == "cpu" and self.dtype == torch.float32 and kv.k
-                               and kv.k[0].dtype == torch.float32 and kv.k[0].is_contiguous()
-                               and type(attn).write_kv is TorchPagedAttention.write_kv) else None
-        if fused is None:
+        # The step's attention plan, once for every layer; kept on the batch for observers.
+        plan = batch.attn_plan = attn.plan(batch, self.dtype, kv.k[0])
+        # RoPE and the K/V store in one pass where the backend has it (the compiled CPU kernel
+        # on a plain float32 cache); the torch formulas and write_kv everywhere else.
+        fused = attn.fused_rope_write(self.dtype, kv.k[0]) if kv.k else False
+        if not fused:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)
-            if fused is not None and qkv.is_contiguous():    # rotate in place, store k, v at their slots
-                fused.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping, hq, hkv)
+            if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
+                attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch)
                 q = qkv[:, : self.q_size].view(t, hq, hd)
                 k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
                 v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                 if hooks is not None:                # the values a probe sees are the ones stored
                     hooks.on_kv(i, k, v, batch, q=q)
             else:
+                if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
+                    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+                    fused = False
                 qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two
                 v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                 if hooks is not None:
                     hooks.on_kv(i, k, v, batch, q=q)
-                attn.write_kv(k, v, kv.k[i], kv.v[i], batch)
-            o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch)
+                attn.write_kv(k, v, kv.k[i], kv.v[i], batch, plan)
+            o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch, plan)
             if hooks is not None:
                 hooks.on_attention(i, batch, batch.block_tables, o)
             h = L.o.add(o.reshape(t, hq * hd), h)                 # h + o_proj(o)

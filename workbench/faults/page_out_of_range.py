@@ -54,7 +54,7 @@ class PageOutOfRange(Fault):
         if p.get("unchecked", True) and hasattr(attn, "gather"):
             gather, fill = attn.gather, self.fill
 
-            def unchecked_gather(cache, pages, rows, dtype):
+            def unchecked_read(cache, pages, rows, dtype):
                 n = cache.shape[0]
                 bad = (pages < 0) | (pages >= n)
                 if not bool(bad.any()):
@@ -63,7 +63,9 @@ class PageOutOfRange(Fault):
                 out.view(pages.shape[0], -1)[bad] = fill          # what lies past the pool
                 return out
 
-            self.patch(attn, "gather", unchecked_gather)
+            # Device memory has no bounds check: every page read goes through this reader
+            # (the backend's page_reader seam; a compiled kernel that reads in place steps aside).
+            self.patch(attn, "page_reader", unchecked_read)
 
     def _corrupt(self, batch) -> None:
         reads = batch.context_lens_np > batch.query_lens_np        # rows whose kernel reads the table

@@ -7,8 +7,8 @@ kernels of vLLM, FlashAttention and ATB do on their devices. Same contract, same
 same results (checked against dense attention in tests/test_attention.py).
 
 It falls back to the torch path, per step, where the kernel does not apply: a cache that
-is not float32 (fp16, fp16_scaled), or a gather a fault has replaced to emulate device
-memory (page_out_of_range, unchecked): that emulation must see every page read.
+is not float32 (fp16, fp16_scaled), or a page_reader set through the backend's seam (a
+fault emulating device memory, page_out_of_range unchecked): it must see every page read.
 """
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(*a, **kw)
         self.kernel = native.kernel()
 
-    def _native_ok(self, batch: PackedBatch) -> bool:
-        return (self.kernel is not None and batch.block_tables.device.type == "cpu"
-                and "gather" not in vars(self)                      # a fault emulating device memory
-                and getattr(self, "cache_dtype", None) == torch.float32
-                and getattr(self, "q_dtype", None) == torch.float32)
+    def _native_ok(self, batch: PackedBatch, q_dtype, cache) -> bool:
+        # The kernel reads float32 pages in place from a table on the CPU; a page_reader (a fault
+        # emulating device memory) must see every page read, so the kernel steps aside for it.
+        return (self.kernel is not None and batch.block_tables.device.type == "cpu" and self.page_reader is None
+                and q_dtype == torch.float32 and cache is not None and cache.dtype == torch.float32)
 
-    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray) -> tuple[list, int]:
-        if len(rows_all) == 0 or not self._native_ok(batch):
-            return super().plan_decode(batch, rows_all)
+    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:
+        if len(rows_all) == 0 or not self._native_ok(batch, q_dtype, cache):
+            return super().plan_decode(batch, rows_all, q_dtype, cache)
         ctx, cu, ps = batch.context_lens_np, batch.cu_seqlens_q_np, batch.page_size
         lens = ctx[rows_all]
         plan = NativeDecode(batch.block_tables, torch.from_numpy(cu[rows_all].astype(np.int64)),
@@ -62,7 +62,3 @@ class CpuPagedAttention(TorchPagedAttention):
             self.kernel.paged_decode(q, out, k_cache, v_cache, p.tables, p.tok, p.rows, p.lens, self.scale)
             return
         super().decode(q, k_cache, v_cache, groups, out)
-
-    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
-        self.cache_dtype, self.q_dtype = k_cache.dtype, q.dtype
-        return super().forward(q, k, v, k_cache, v_cache, batch)

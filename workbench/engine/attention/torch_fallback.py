@@ -32,6 +32,7 @@ from .torch_ref import TorchPagedAttention
 @dataclass
 class FallbackPlan:
     pages_read: int          # the pages a paged kernel would read (for bandwidth accounting)
+    scale_write: object = None   # fp16_scaled: the scaled write's page indices
 
 
 class TorchFallbackAttention(TorchPagedAttention):
@@ -42,15 +43,19 @@ class TorchFallbackAttention(TorchPagedAttention):
         super().__init__(*a, **kw)
         self.bytes_moved = 0     # cache bytes gathered + slot index bytes, all layers, since creation
 
-    def plan(self, batch: PackedBatch) -> FallbackPlan:
+    def plan(self, batch: PackedBatch, q_dtype=None, cache=None) -> FallbackPlan:
         # Only the accounting the engine reports: a paged kernel's page reads, so the
         # bandwidth probe sees the useful bytes and this path's extra work as lost time.
-        if batch.attn_plan is None:
-            ps, q, ctx = batch.page_size, batch.query_lens_np, batch.context_lens_np
-            pages = -(-ctx // ps)
-            useful = int(pages[q == 1].sum()) + int(pages[(q > 1) & (ctx > q)].sum())
-            batch.attn_plan = FallbackPlan(useful)
-        return batch.attn_plan
+        ps, q, ctx = batch.page_size, batch.query_lens_np, batch.context_lens_np
+        pages = -(-ctx // ps)
+        useful = int(pages[q == 1].sum()) + int(pages[(q > 1) & (ctx > q)].sum())
+        scale_write = None
+        if cache is not None and kv_scale.page_scale(cache) is not None:
+            scale_write = kv_scale.plan_write(batch.slot_mapping, cache.shape[1])
+        return FallbackPlan(useful, scale_write)
+
+    def fused_rope_write(self, q_dtype, cache) -> bool:
+        return False                  # the generic path: no fused store either
 
     def _slots(self, bt_rows: torch.Tensor, lens: torch.Tensor, length: int, ps: int) -> torch.Tensor:
         """Slot of every position < length of each row; positions past a row's length
@@ -78,8 +83,8 @@ class TorchFallbackAttention(TorchPagedAttention):
         s = s.masked_fill(~allowed, float("-inf"))
         return torch.matmul(s.softmax(-1), v)
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
-        self.plan(batch)
+    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch, plan: FallbackPlan | None = None) -> torch.Tensor:
+        self._plan_of(batch, q.dtype, k_cache, plan)
         ps = batch.page_size
         bt = batch.block_tables
         dev = bt.device

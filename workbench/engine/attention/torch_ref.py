@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .. import kv_scale
 from ..batch import PackedBatch
+from . import native
 from .base import AttentionBackend
 
 
@@ -44,39 +45,43 @@ class AttentionPlan:
     decode: list                 # DecodeGroup (torch) or one NativeDecode (compiled CPU kernel)
     prefill: list[PrefillSeq]
     pages_read: int              # pages the kernel reads per layer (for bandwidth accounting)
+    scale_write: object = None   # fp16_scaled: the scaled write's page indices (kv_scale.WritePlan)
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def write_kv(self, k, v, k_cache, v_cache, batch: PackedBatch) -> None:
+    def write_kv(self, k, v, k_cache, v_cache, batch: PackedBatch, plan: AttentionPlan | None = None) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         slots = batch.slot_mapping
         if kv_scale.page_scale(k_cache) is not None:      # fp16_scaled: a scale per page
-            plan = self._scale_plan(batch, k_cache.shape[1])
-            kv_scale.write_scaled(k, k_cache, k_cache.page_scale, plan)
-            kv_scale.write_scaled(v, v_cache, v_cache.page_scale, plan)
+            plan = self._plan_of(batch, k.dtype, k_cache, plan)
+            kv_scale.write_scaled(k, k_cache, k_cache.page_scale, plan.scale_write)
+            kv_scale.write_scaled(v, v_cache, v_cache.page_scale, plan.scale_write)
             return
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
-    def _scale_plan(self, batch: PackedBatch, page_size: int) -> "kv_scale.WritePlan":
-        """The scaled write's page indices, computed once per step and shared by all layers."""
-        cached = getattr(self, "_scale_plan_of", None)
-        if cached is None or cached[0] is not batch:
-            self._scale_plan_of = cached = (batch, kv_scale.plan_write(batch.slot_mapping, page_size))
-        return cached[1]
+    def fused_rope_write(self, q_dtype, cache) -> bool:
+        # The compiled pass stores a plain float32 row per slot: the layout contract of an
+        # unscaled float32 cache on the CPU, with a float32 model.
+        return (self.fuse_rope_write and cache.device.type == "cpu" and q_dtype == torch.float32
+                and cache.dtype == torch.float32 and cache.is_contiguous()
+                and kv_scale.page_scale(cache) is None and native.kernel() is not None)
+
+    def rope_write(self, qkv, cos, sin, k_cache, v_cache, batch: PackedBatch) -> None:
+        native.kernel().rope_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads,
+                                   self.num_kv_heads)
 
     # ---- planning (once per step) ------------------------------------------
-    def plan(self, batch: PackedBatch) -> AttentionPlan:
-        if batch.attn_plan is not None:
-            return batch.attn_plan
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32,
+             cache: torch.Tensor | None = None) -> AttentionPlan:
         qlens, ctx, cu = batch.query_lens_np, batch.context_lens_np, batch.cu_seqlens_q_np
         ps = batch.page_size
         bt = batch.block_tables
         dev = bt.device
         prefill = []
-        decode, pages_read = self.plan_decode(batch, (qlens == 1).nonzero()[0])
+        decode, pages_read = self.plan_decode(batch, (qlens == 1).nonzero()[0], q_dtype, cache)
         for i in (qlens > 1).nonzero()[0].tolist():
             a, b = int(cu[i]), int(cu[i + 1])
             n, c = b - a, int(ctx[i])
@@ -87,10 +92,12 @@ class TorchPagedAttention(AttentionBackend):
             mask = (torch.arange(c, device=dev)[None, :] <= torch.arange(c - n, c, device=dev)[:, None])
             prefill.append(PrefillSeq(a, b, c, bt[i, :w].long(), mask))
             pages_read += w
-        batch.attn_plan = AttentionPlan(decode, prefill, pages_read)
-        return batch.attn_plan
+        scale_write = None
+        if cache is not None and kv_scale.page_scale(cache) is not None:
+            scale_write = kv_scale.plan_write(batch.slot_mapping, cache.shape[1])
+        return AttentionPlan(decode, prefill, pages_read, scale_write)
 
-    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray) -> tuple[list, int]:
+    def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:
         """Decode rows in groups of similar length: pages to gather and the padding mask."""
         ctx, cu, ps, bt = batch.context_lens_np, batch.cu_seqlens_q_np, batch.page_size, batch.block_tables
         dev = bt.device
@@ -125,6 +132,11 @@ class TorchPagedAttention(AttentionBackend):
         groups.append(order[start:])
         return groups
 
+    def read_pages(self, cache: torch.Tensor, pages: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """Every page read of this backend: the page_reader seam when one is set, else gather()."""
+        reader = self.page_reader
+        return self.gather(cache, pages, rows, dtype) if reader is None else reader(cache, pages, rows, dtype)
+
     def gather(self, cache: torch.Tensor, pages: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """The pages a kernel reads, as [rows, W*page_size, Hkv, D].
 
@@ -139,8 +151,8 @@ class TorchPagedAttention(AttentionBackend):
         return out.view(rows, -1, self.num_kv_heads, self.head_dim).to(dtype)
 
     # ---- compute ---------------------------------------------------------------
-    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch) -> torch.Tensor:
-        plan = self.plan(batch)
+    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch, plan: AttentionPlan | None = None) -> torch.Tensor:
+        plan = self._plan_of(batch, q.dtype, k_cache, plan)
         out = torch.empty_like(q)
         self.decode(q, k_cache, v_cache, plan.decode, out)
         self.prefill(q, k, v, k_cache, v_cache, plan.prefill, out)
@@ -151,8 +163,8 @@ class TorchPagedAttention(AttentionBackend):
         g = hq // hkv
         for grp in groups:
             # GQA: the G query heads of each KV head ride on the query-length axis.
-            kd = self.gather(k_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)   # [Bd, Hkv, L, D]
-            vd = self.gather(v_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)
+            kd = self.read_pages(k_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)   # [Bd, Hkv, L, D]
+            vd = self.read_pages(v_cache, grp.pages, grp.num_rows, q.dtype).transpose(1, 2)
             qd = q.index_select(0, grp.tok).view(grp.num_rows, hkv, g, d)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=self.scale)
             out.index_copy_(0, grp.tok, o.reshape(grp.num_rows, hq, d))
@@ -167,8 +179,8 @@ class TorchPagedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:                      # bottom-right aligned causal mask over the paged context
-                ks = self.gather(k_cache, s.pages, 1, q.dtype)[:, :s.context].transpose(1, 2)
-                vs = self.gather(v_cache, s.pages, 1, q.dtype)[:, :s.context].transpose(1, 2)
+                ks = self.read_pages(k_cache, s.pages, 1, q.dtype)[:, :s.context].transpose(1, 2)
+                vs = self.read_pages(v_cache, s.pages, 1, q.dtype)[:, :s.context].transpose(1, 2)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.scale,
                                                    enable_gqa=True)
             out[s.start:s.end] = o[0].transpose(0, 1)
