@@ -102,3 +102,18 @@ def test_a_broken_probe_module_fails_attach_loudly(sharp_llama_dir, monkeypatch,
     with pytest.raises(probes.ProbeImportError, match="broken.*this_module_does_not_exist"):
         Workbench(eng, log=False).attach()
     sys.modules.pop("broken_probe_mod", None)
+
+
+def test_fault_parameters_are_typed(sharp_llama_dir):
+    import pytest
+
+    from workbench import faults
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=16))
+    with pytest.raises(TypeError, match="'hold'.*hold_s"):
+        faults.make(eng, "lock_storm", hold=0.1)
+    with pytest.raises(TypeError, match="no parameters"):
+        faults.make(eng, "stale_binding", steps=3)
+    with pytest.raises(ValueError, match="mode='flip'"):
+        faults.make(eng, "cu_seqlens_corrupt", mode="flip")
+    for name in faults.FAULTS:                       # every fault builds with its defaults
+        assert faults.make(eng, name).name == name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from typing import Any, Iterator
 
 from .base import Fault
@@ -37,10 +38,25 @@ def fault_class(name: str) -> type[Fault]:
     return getattr(importlib.import_module(mod), cls)
 
 
+def make(engine, name: str, **params: Any) -> Fault:
+    """The fault `name` on engine with its parameters; a parameter it does not take is a TypeError
+    naming the ones it does (a typo must not silently run the default)."""
+    cls = fault_class(name)
+    sig = inspect.signature(cls)
+    try:
+        sig.bind(engine, **params)
+    except TypeError:
+        known = [p for p in sig.parameters if p != "engine"]
+        bad = sorted(set(params) - set(known))
+        raise TypeError(f"fault {name!r} has no parameter {', '.join(map(repr, bad))}; it takes "
+                        f"{', '.join(known) or 'no parameters'}") from None
+    return cls(engine, **params)
+
+
 @contextlib.contextmanager
 def inject(engine, name: str, **params: Any) -> Iterator[Fault]:
     """Switch a fault on for the duration of the with-block; it is undone on exit, even on error."""
-    fault = fault_class(name)(engine, **params)
+    fault = make(engine, name, **params)
     fault.enable()
     try:
         yield fault
@@ -64,4 +80,4 @@ def catalogue():
     return pd.DataFrame(rows)
 
 
-__all__ = ["FAULTS", "Fault", "catalogue", "fault_class", "inject"]
+__all__ = ["FAULTS", "Fault", "catalogue", "fault_class", "inject", "make"]

@@ -29,6 +29,9 @@ class BufferLeak(Fault):
     fix = "one preallocated buffer per index tensor, filled in place every step (BatchBuilder's _Buffer)"
     notebook = "notebooks/buffer_leak.ipynb"
 
+    def __init__(self, engine):
+        super().__init__(engine)
+
     def on_enable(self) -> None:
         self.retained: list[torch.Tensor] = []
         builder = self.engine.builder

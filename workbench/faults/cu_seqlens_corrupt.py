@@ -34,15 +34,19 @@ class CuSeqlensCorrupt(Fault):
           "buffer), never edit it afterwards; validate it in debug builds"
     notebook = "notebooks/cu_seqlens_corrupt.ipynb"
 
+    def __init__(self, engine, mode: str = "swap", index: int = 1, delta: int = 1, tensor: str = "q",
+                 steps: int = 1):
+        """mode: swap | truncate | shift the entry `index` of cu_seqlens_<tensor> (q or k) by `delta`,
+        for `steps` steps."""
+        super().__init__(engine, mode=mode, index=index, delta=delta, tensor=tensor, steps=steps)
+        if mode not in ("swap", "truncate", "shift"):
+            raise ValueError(f"mode={mode!r} is not one of swap, truncate, shift")
+        if tensor not in ("q", "k"):
+            raise ValueError(f"tensor={tensor!r} is not one of q, k")
+        self.mode, self.index, self.delta, self.tensor, self.steps = mode, index, delta, tensor, steps
+
     def on_enable(self) -> None:
-        p = self.params
-        self.mode = p.get("mode", "swap")
-        if self.mode not in ("swap", "truncate", "shift"):
-            raise ValueError(f"mode={self.mode!r} is not one of swap, truncate, shift")
-        self.index = p.get("index", 1)
-        self.delta = p.get("delta", 1)
-        self.tensor = p.get("tensor", "q")
-        self.remaining = p.get("steps", 1)
+        self.remaining = self.steps
         self.corrupted: list[dict] = []       # step, mode, tensor, entry, first_bad, request_id, before, after
         self._cached_before = dict(self.engine.pool.cached)
         build = self.engine.builder.build

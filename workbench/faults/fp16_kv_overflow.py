@@ -46,10 +46,10 @@ class FP16KVOverflow(Fault):
     notebook = "notebooks/fp16_kv_overflow.ipynb"
 
     def __init__(self, engine, layer: int | None = None, factor: float | None = None,
-                 overshoot: float = 4.0, **params):
+                 overshoot: float = 4.0):
         """layer: default the middle layer. factor: K/V multiplier, rounded to a power of two;
         default the one that puts a typical token's K/V absmax at `overshoot` x 65504."""
-        super().__init__(engine, layer=layer, factor=factor, **params)
+        super().__init__(engine, layer=layer, factor=factor, overshoot=overshoot)
         n = engine.model_config.num_layers
         self.layer = n // 2 if layer is None else layer
         if not 0 <= self.layer < n:

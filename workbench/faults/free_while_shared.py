@@ -26,13 +26,16 @@ class FreeWhileShared(Fault):
           "(PagePool.acquire on every prefix-cache hit)"
     notebook = "notebooks/free_while_shared.ipynb"
 
+    def __init__(self, engine):
+        super().__init__(engine)
+
     def on_enable(self) -> None:
         pool = self.engine.pool
         free = pool.free
         self._cached_before = dict(pool.cached)
         self.forced: list[tuple[int, int, int]] = []          # (step, page, refcount it had)
 
-        def free_ignoring_refcount(pages):
+        def free_ignoring_refcount(pages, owner):
             # Each page once, and never one already on the free queue: the bug drops references,
             # it does not corrupt the queue itself.
             todo = [p for p in dict.fromkeys(pages) if not pool.is_free(p)]
@@ -44,7 +47,7 @@ class FreeWhileShared(Fault):
                     if h is not None and pool.cached.get(h) == p:
                         del pool.cached[h]
                     pool.page_hash[p] = pool.page_tokens[p] = None
-            free(todo)
+            free(todo, owner)
 
         self.patch(pool, "free", free_ignoring_refcount)
 

@@ -27,8 +27,8 @@ class LockInversion(Fault):
     fix = "take page_table and stream_context in one global order (or use a lock domain per stream)"
     notebook = "notebooks/lock_inversion.ipynb"
 
-    def __init__(self, engine, setup_timeout_s: float = 10.0, **params):
-        super().__init__(engine, **params)
+    def __init__(self, engine, setup_timeout_s: float = 10.0):
+        super().__init__(engine, setup_timeout_s=setup_timeout_s)
         self.setup_timeout_s = setup_timeout_s
         self.table = engine.lock
         self.ctx = InstrumentedLock("stream_context", engine.bus, lambda: engine.step_count)

@@ -59,8 +59,9 @@ class LockStorm(Fault):
     TINY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def __init__(self, engine, submitters: int = 6, metrics: int = 2, hold_s: float = 0.005,
-                 gap_s: float = 0.0005, scrape_s: float = 0.0005, submit: bool = False, **params):
-        super().__init__(engine, **params)
+                 gap_s: float = 0.0005, scrape_s: float = 0.0005, submit: bool = False):
+        super().__init__(engine, submitters=submitters, metrics=metrics, hold_s=hold_s, gap_s=gap_s,
+                         scrape_s=scrape_s, submit=submit)
         self.submitters, self.metrics = submitters, metrics
         self.hold_s, self.gap_s, self.scrape_s = hold_s, gap_s, scrape_s
         self.submit = submit

@@ -30,15 +30,23 @@ class PageOutOfRange(Fault):
           "pool); validate ids in [0, num_pages) at bind time in debug builds"
     notebook = "notebooks/page_out_of_range.ipynb"
 
+    def __init__(self, engine, request_id=None, row: int | None = None, column: int = -1,
+                 page_id: int | None = None, steps: int = 1, fill: str = "nan", unchecked: bool = True):
+        """request_id / row: whose table row (None: the first that reads pages); column: which of its
+        pages (-1: the newest); page_id: the bad id (default num_pages); fill: what lies past the
+        pool ("nan" | "zeros"); unchecked: read it as device memory would (no bounds check)."""
+        super().__init__(engine, request_id=request_id, row=row, column=column, page_id=page_id, steps=steps,
+                         fill=fill, unchecked=unchecked)
+        if fill not in ("nan", "zeros"):
+            raise ValueError(f"fill={fill!r} is not one of nan, zeros")
+        self.request_id, self.row, self.column, self.steps, self.unchecked = request_id, row, column, steps, unchecked
+        self._page_id = page_id
+        self.fill = {"nan": float("nan"), "zeros": 0.0}[fill]
+
     def on_enable(self) -> None:
-        p = self.params
         eng = self.engine
-        self.request_id = p.get("request_id")          # which request (or batch `row`); None: the first
-        self.row = p.get("row")                         # row that reads its pages from the table
-        self.column = p.get("column", -1)               # which of the row's pages (-1: the newest)
-        self.page_id = p.get("page_id", eng.pool.num_pages)
-        self.remaining = p.get("steps", 1)
-        self.fill = {"nan": float("nan"), "zeros": 0.0}[p.get("fill", "nan")]
+        self.page_id = eng.pool.num_pages if self._page_id is None else self._page_id
+        self.remaining = self.steps
         self.corrupted: list[dict] = []                 # step, request_id, row, column, page_id, page_meant
         self._cached_before = dict(self.engine.pool.cached)
         build = eng.builder.build
@@ -51,7 +59,7 @@ class PageOutOfRange(Fault):
 
         self.patch(eng.builder, "build", build_then_corrupt)
         attn = eng.attn
-        if p.get("unchecked", True) and hasattr(attn, "gather"):
+        if self.unchecked and hasattr(attn, "gather"):
             gather, fill = attn.gather, self.fill
 
             def unchecked_read(cache, pages, rows, dtype):

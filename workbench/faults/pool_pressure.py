@@ -38,24 +38,28 @@ class PoolPressure(Fault):
     fix = "size the pool as ceil(batch x P99 length / page_size) x 1.3 (advise_pool_size)"
     notebook = "notebooks/pool_pressure.ipynb"
 
+    def __init__(self, engine, usable: float = 0.25):
+        """usable: the share of the pool left to requests."""
+        super().__init__(engine, usable=usable)
+        if not 0 < float(usable) <= 1:
+            raise ValueError(f"usable={usable} must be a share of the pool in (0, 1]")
+        self.usable = float(usable)
+
     def on_enable(self) -> None:
         e = self.engine
         pool = e.pool
-        usable = float(self.params.get("usable", 0.25))
-        if not 0 < usable <= 1:
-            raise ValueError(f"usable={usable} must be a share of the pool in (0, 1]")
+        usable = self.usable
         keep = max(1, int(pool.num_pages * usable))
         with e.lock:
             take = max(0, min(pool.num_pages - keep, pool.num_free))
             self.pool = pool
-            pool.actor = RESERVATION          # a named owner: the pages belong to no request
-            self.reserved = pool.allocate(take) if take else []
+            # a named owner: the pages belong to no request
+            self.reserved = pool.allocate(take, RESERVATION) if take else []
 
     def on_disable(self) -> None:
         with self.engine.lock:
             if self.reserved:
-                self.pool.actor = RESERVATION
-                self.pool.free(self.reserved)
+                self.pool.free(self.reserved, RESERVATION)
             self.reserved = []
 
 

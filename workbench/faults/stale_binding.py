@@ -20,6 +20,9 @@ class StaleBinding(Fault):
     fix = "bind before the launch: BatchBuilder.build(bind=True) / BlockTables.bind() before model.forward"
     notebook = "notebooks/stale_binding.ipynb"
 
+    def __init__(self, engine):
+        super().__init__(engine)
+
     def on_enable(self) -> None:
         builder, model = self.engine.builder, self.engine.model
         build, forward = builder.build, model.forward
