@@ -13,6 +13,8 @@ and its token ids — never from the builder's outputs:
   context_lens_np and the device context_lens, cu_seqlens_k, and torch_npu's cumulative
   actual_seq_lengths / actual_seq_lengths_kv when the backend's plan carries them;
 - logits_indices: the last row of every sequence that samples this step;
+- the attention backend's plan (probes/plan_check.py): each decode query's row, context
+  length and pages, each prefill chunk's span, context, pages and causal mask;
 - after the step (StepFinished): each sequence's computed tokens advanced by its chunk.
 
 A finding names the token, the request and the copy that disagrees with the sequence's
@@ -34,6 +36,7 @@ from workbench.probe import Probe
 
 from . import invariants
 from .invariants import Mismatch, PackingReference
+from .plan_check import plan_mismatches
 
 HINTS = {
     "positions": "positions must be each sequence's computed tokens + arange(chunk): check where the builder "
@@ -50,6 +53,9 @@ HINTS = {
     "computed-tokens": "after a step each sequence's num_computed_tokens must advance by exactly the chunk it "
                        "was scheduled; a drift makes the next step's positions and slots wrong",
     "scheduled": "the batch holds a sequence the scheduler did not schedule this step (or lost one it did)",
+    "plan": "the attention backend's per-step plan disagrees with the batch: check its plan()/plan_decode() (the "
+            "row each decode query reads, its context length, the pages gathered, the causal mask of a chunk "
+            "after cached context: bottom-right aligned, key j visible to query i iff j <= context - chunk + i)",
 }
 
 
@@ -158,15 +164,20 @@ class PackingProbe(Probe):
             del self.rows[:50_000]
 
     def check_plan(self, batch) -> None:
-        """torch_npu's cumulative lengths, when the backend's plan carries them (the NPU path)."""
+        """The backend's plan (decode rows, lengths, pages, masks, prefill spans) and torch_npu's
+        cumulative lengths when the plan carries them (the NPU path), against the reference."""
         plan = getattr(batch, "attn_plan", None)
-        if plan is None or not (hasattr(plan, "actual_seq_lengths") or hasattr(plan, "actual_seq_lengths_kv")):
+        step = self.engine.step_count
+        if plan is None or step % self.every:
             return
         ref, _ = batch_reference(self.engine, batch)
-        for m in invariants.packing_mismatches(ref, twins={
+        found = plan_mismatches(plan, ref)
+        if hasattr(plan, "actual_seq_lengths") or hasattr(plan, "actual_seq_lengths_kv"):
+            found += invariants.packing_mismatches(ref, twins={
                 "actual_seq_lengths": (_np(getattr(plan, "actual_seq_lengths", None)), "ends_q"),
-                "actual_seq_lengths_kv": (_np(getattr(plan, "actual_seq_lengths_kv", None)), "ends_k")}):
-            self._report(m, batch, ref, self.engine.step_count)
+                "actual_seq_lengths_kv": (_np(getattr(plan, "actual_seq_lengths_kv", None)), "ends_k")})
+        for m in found:
+            self._report(m, batch, ref, step)
 
     def _check_maxima(self, batch, ref: PackingReference) -> list[Mismatch]:
         out = []
@@ -220,6 +231,11 @@ class PackingProbe(Probe):
                    f"{m.copy}, the sequence's own state says {m.want}")
         elif m.check == "block-table":
             msg = f"{who}: {m.copy} column {m.index} holds {m.got}, the page list says {m.want}"
+        elif m.check == "plan":
+            what = m.copy.split(".")[-1]
+            msg = (f"{who}: the attention plan's {m.copy} is {m.got} at {'token' if what in ('tok', 'rows', 'lens', 'span', 'start', 'context', 'mask') else 'column'} "
+                   f"{m.index}, the sequence's own state says {m.want}: every layer reads through this plan")
+            ev.update(plan_entry=m.copy)
         elif m.check == "computed-tokens":
             msg = (f"{who}: after the step it has {m.got} computed tokens, it was {int(ref.starts[m.row])} + a chunk "
                    f"of {int(ref.q_lens[m.row])} = {m.want}")

@@ -232,8 +232,7 @@ def test_abort_path_that_forgets_pages_is_a_leak_naming_the_request(sharp_llama_
 def test_preemption_that_forgets_a_page_is_a_leak(sharp_llama_dir, monkeypatch):
     def preempt(self, seq):
         seq.last_preemption = (len(seq.pages), seq.num_computed_tokens)
-        self.kv.pool.actor = seq.request_id
-        self.kv.pool.free(reversed(seq.pages[1:]))      # the bug: the first page is never freed
+        self.kv.pool.free(reversed(seq.pages[1:]), seq.request_id)      # the bug: the first page is never freed
         seq.pages, seq.page_generations, seq.page_hashes = [], [], []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.num_preemptions += 1
@@ -282,9 +281,8 @@ def test_registration_at_the_wrong_position_is_caught(sharp_llama_dir, clean, mo
                 if self.pool.register(seq.pages[i], h0, b0, i - 1, memo[i - 2][0] if i >= 2 else None):
                     entered.append(seq.pages[i])
                     idx.append(i - 1)
-        if entered and self.pool.observer is not None:
-            self.pool.actor = seq.request_id
-            self.pool.notify_registered(entered, idx)
+        if entered:
+            self.pool.notify_registered(entered, idx, seq.request_id)
     monkeypatch.setattr(kvm.KVCacheManager, "cache_full_pages", cache_full_pages)
     toks, ids, wb, _ = run(sharp_llama_dir, prompts_with_shared_prefix())
     assert toks != clean[0]
@@ -323,8 +321,7 @@ def test_growth_one_page_short_is_caught(sharp_llama_dir, monkeypatch):
             return real(self, seq, n)
         need = kvm.pages_for(seq.num_computed_tokens, self.page_size) - len(seq.pages)
         if need > 0:
-            self.pool.actor = seq.request_id
-            new = self.pool.allocate(need)
+            new = self.pool.allocate(need, seq.request_id)
             seq.pages.extend(new)
             seq.page_generations.extend(self.pool.generation[p] for p in new)
         return True
@@ -343,3 +340,47 @@ def test_growth_one_page_short_is_caught(sharp_llama_dir, monkeypatch):
     short = errors(wb, "page-list-short")
     assert short and short[0].request_id % 2 == 1
     assert short[0].evidence["pages_needed"] == short[0].evidence["pages_mapped"] + 1
+
+
+# ---- the attention plan ---------------------------------------------------------------------
+def test_plan_mask_that_sees_the_next_key_is_caught_every_step(sharp_llama_dir, clean, monkeypatch):
+    from workbench.engine.attention.torch_ref import TorchPagedAttention
+    real = TorchPagedAttention.plan
+
+    def plan(self, batch, *a):
+        p = real(self, batch, *a)
+        for s in p.prefill:
+            if s.mask is not None:             # a chunk after cached context: one key too many
+                n, c = s.end - s.start, s.context
+                s.mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None] + 1
+        return p
+    monkeypatch.setattr(TorchPagedAttention, "plan", plan)
+    toks, ids, wb, _ = run(sharp_llama_dir, prompts_with_shared_prefix())
+    assert toks != clean[0]
+    found = [f for f in errors(wb, "packing-plan") if f.evidence["copy"] == "plan.prefill.mask"]
+    assert found and found[0].request_id in ids[1:4]          # the requests that continue after a hit
+
+
+def test_decode_plan_reading_another_rows_table_is_caught(sharp_llama_dir, clean, monkeypatch):
+    from workbench.engine.attention.cpu_paged import CpuPagedAttention
+    from workbench.engine.attention.torch_ref import TorchPagedAttention
+    cls = CpuPagedAttention if isinstance(engine(sharp_llama_dir).attn, CpuPagedAttention) else TorchPagedAttention
+    real = cls.plan_decode
+    hit = {}
+
+    def plan_decode(self, batch, rows_all, *a):
+        groups, n = real(self, batch, rows_all, *a)
+        g = groups[0] if groups else None
+        if g is not None and hasattr(g, "rows") and len(g.rows) > 1:     # compiled kernel: a neighbour's row
+            g.rows = g.rows.roll(1)
+            hit["planted"] = True
+        elif g is not None and hasattr(g, "width") and g.num_rows > 1:   # torch path: a neighbour's pages
+            g.pages = g.pages.view(g.num_rows, -1).roll(1, 0).reshape(-1)
+            hit["planted"] = True
+        return groups, n
+    monkeypatch.setattr(cls, "plan_decode", plan_decode)
+    toks, ids, wb, _ = run(sharp_llama_dir, prompts_with_shared_prefix())
+    assert hit and toks != clean[0]
+    found = errors(wb, "packing-plan")
+    assert found and found[0].request_id in ids
+    assert found[0].evidence["copy"] in ("plan.decode.rows", "plan.decode.pages")

@@ -1,0 +1,139 @@
+"""The attention plan against the reference: the index tensors the kernels actually walk.
+
+A backend turns the batch into a per-step plan (decode groups or the compiled kernel's
+rows, prefill spans, the pages each reads, the masks) once, and every layer reuses it.
+A bug there — a decode row mapped to another row's table, a context length off by one,
+a causal mask that lets a query see the next key — garbles every layer while the batch
+itself is right. These checks read the plan's tensors and compare them with the
+reference rebuilt from the sequences (invariants.PackingReference), by duck typing on
+the plan shapes of our backends (attention/torch_ref.py, cpu_paged.py); an unknown plan
+is skipped (the shadow probe still recomputes its numerics).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .invariants import MAX_REPORTED, Mismatch, PackingReference
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().to("cpu").numpy().astype(np.int64).reshape(-1)
+
+
+def _row_of_token(ref: PackingReference, tok: np.ndarray) -> np.ndarray:
+    return ref.seq_of_tok[np.clip(tok, 0, max(ref.num_tokens - 1, 0))]
+
+
+def _decode_native(g, ref: PackingReference, out: list) -> set:
+    tok, rows, lens = _np(g.tok), _np(g.rows), _np(g.lens)
+    for k in range(len(tok)):
+        r = int(rows[k])
+        want_tok = int(ref.cu_q[r]) if 0 <= r < len(ref.q_lens) else None
+        if tok[k] != want_tok or not 0 <= tok[k] < ref.num_tokens or ref.seq_of_tok[tok[k]] != r:
+            out.append(Mismatch("plan", "plan.decode.rows", int(_row_of_token(ref, tok[k:k + 1])[0]), int(tok[k]),
+                                r, int(_row_of_token(ref, tok[k:k + 1])[0])))
+        elif lens[k] != ref.context_lens[r]:
+            out.append(Mismatch("plan", "plan.decode.lens", r, int(tok[k]), int(lens[k]), int(ref.context_lens[r])))
+    tables = g.tables.detach().to("cpu").numpy().astype(np.int64)
+    for r in set(rows.tolist()):
+        if 0 <= r < len(ref.need) and r < tables.shape[0]:
+            n = min(int(ref.need[r]), tables.shape[1])
+            bad = np.nonzero(tables[r, :n] != ref.table[r, :n])[0]
+            if len(bad) and not ref.short[r]:
+                c = int(bad[0])
+                out.append(Mismatch("plan", "plan.decode.tables", r, c, int(tables[r, c]), int(ref.table[r, c])))
+    return set(rows.tolist())
+
+
+def _decode_group(g, ref: PackingReference, out: list) -> set:
+    tok = _np(g.tok)
+    rows = _row_of_token(ref, tok)
+    w = int(g.width)
+    pages = _np(g.pages).reshape(len(tok), w) if len(tok) else np.zeros((0, w), dtype=np.int64)
+    ps = ref.page_size
+    for k, r in enumerate(rows.tolist()):
+        if ref.q_lens[r] != 1 or tok[k] != ref.cu_q[r]:
+            out.append(Mismatch("plan", "plan.decode.tok", r, int(tok[k]), int(tok[k]), int(ref.cu_q[r])))
+            continue
+        n = int(ref.need[r])
+        if n > w:
+            out.append(Mismatch("plan", "plan.decode.pages", r, w, None, int(ref.table[r, w])))
+            continue
+        bad = np.nonzero(pages[k, :n] != ref.table[r, :n])[0]
+        if len(bad) and not ref.short[r]:
+            c = int(bad[0])
+            out.append(Mismatch("plan", "plan.decode.pages", r, c, int(pages[k, c]), int(ref.table[r, c])))
+            continue
+        ctx = int(ref.context_lens[r])
+        if g.mask is None:
+            if ctx != w * ps:
+                out.append(Mismatch("plan", "plan.decode.mask", r, ctx, w * ps, ctx))
+        else:
+            allowed = int(g.mask[k].reshape(-1)[: w * ps].sum())
+            first_off = g.mask[k].reshape(-1)[:ctx].all()
+            if allowed != ctx or not bool(first_off):
+                out.append(Mismatch("plan", "plan.decode.mask", r, ctx, allowed, ctx))
+    return set(rows.tolist())
+
+
+def _prefill(s, ref: PackingReference, out: list) -> int | None:
+    a, b = int(s.start), int(s.end)
+    if not 0 <= a < max(ref.num_tokens, 1):
+        out.append(Mismatch("plan", "plan.prefill.start", -1, a, a, None))
+        return None
+    r = int(ref.seq_of_tok[a])
+    if a != ref.cu_q[r] or b != ref.cu_q[r + 1]:
+        out.append(Mismatch("plan", "plan.prefill.span", r, a, b - a, int(ref.q_lens[r])))
+        return r
+    c, n = int(s.context), b - a
+    if c != ref.context_lens[r]:
+        out.append(Mismatch("plan", "plan.prefill.context", r, a, c, int(ref.context_lens[r])))
+        return r
+    if s.pages is None:
+        if c != n:                       # a chunk after cached context must read its pages
+            out.append(Mismatch("plan", "plan.prefill.pages", r, a, None, int(ref.need[r])))
+        return r
+    pages = _np(s.pages)
+    need = int(ref.need[r])
+    bad = np.nonzero(pages[:need] != ref.table[r, :need])[0] if len(pages) >= need else np.array([len(pages)])
+    if len(bad) and not ref.short[r]:
+        col = int(bad[0])
+        out.append(Mismatch("plan", "plan.prefill.pages", r, col, int(pages[col]) if col < len(pages) else None,
+                            int(ref.table[r, col])))
+        return r
+    if s.mask is not None:
+        m = s.mask.to("cpu")
+        want = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]      # bottom-right causal
+        if m.shape != want.shape or not torch.equal(m.bool(), want):
+            if m.shape == want.shape:
+                row = int(torch.nonzero((m.bool() != want).any(1))[0])
+                got, exp = int(m[row].sum()), int(want[row].sum())
+            else:
+                row, got, exp = 0, int(m.shape[-1]), c
+            out.append(Mismatch("plan", "plan.prefill.mask", r, a + row, got, exp))
+    return r
+
+
+def plan_mismatches(plan, ref: PackingReference) -> list[Mismatch]:
+    """The plan's decode and prefill entries against the reference (our backends' plan shapes)."""
+    decode, prefill = getattr(plan, "decode", None), getattr(plan, "prefill", None)
+    if decode is None or prefill is None:
+        return []
+    out: list[Mismatch] = []
+    covered: set = set()
+    for g in decode:
+        if hasattr(g, "lens") and hasattr(g, "rows"):
+            covered |= _decode_native(g, ref, out)
+        elif hasattr(g, "pages") and hasattr(g, "width"):
+            covered |= _decode_group(g, ref, out)
+        else:
+            return out                    # a plan shape we do not know
+    for s in prefill:
+        r = _prefill(s, ref, out)
+        if r is not None:
+            covered.add(r)
+    missing = sorted(set(range(len(ref.q_lens))) - covered)
+    for r in missing[:MAX_REPORTED]:
+        out.append(Mismatch("plan", "plan (no entry)", r, int(ref.cu_q[r]), None, int(ref.q_lens[r])))
+    return out[: 4 * MAX_REPORTED]
