@@ -32,7 +32,7 @@ Cost: a check runs L+1 layers over the sequence's ctx tokens, ctx * (L+1) <= `bu
 token-layers (a longer sequence gets a shallower L, or waits for a shorter one), plus a
 ctx x ctx attention per layer. SmolLM2-135M, fp32, 2 busy CPU cores, 16 streams: 30-45 ms,
 0.3-0.6 of a decode step. every=None (the default) spaces checks by time so they take at
-most `overhead` = 1% of the engine's wall time (after 8 warm-up forwards): one check
+most `overhead` = 1% of the engine's wall time (after 2 warm-up forwards): one check
 per ~35-60 decode steps there; measured over 16 requests x 64 decode tokens, the
 probe's own time was 0.97% of the run (median of 8). every=N checks every N forwards
 (tests: every=1). An unchecked forward costs three Python calls per layer.
@@ -55,7 +55,7 @@ from workbench.probe import Probe
 # recompute from tokens (check 2), whose low-precision rounding grows through the layers.
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (5e-3, 1e-1), torch.bfloat16: (3e-2, 5e-1)}
 ALLOW_FULL_PREFILL = 4          # every 4th check may take a whole-prompt prefill (no page read)
-AUTO_WARMUP = 8                 # every=None: no check in the first forwards (warm-up, unearned time)
+AUTO_WARMUP = 2                 # every=None: the first check after 2 forwards (short runs get one), then time-spaced
 
 HINT_WRITE = ("the K/V at this token's slot are not the ones computed for it: check slot_mapping "
               "(slot = seq.pages[pos // page_size] * page_size + pos % page_size) and the store in "
