@@ -1,12 +1,24 @@
-"""The notebooks are the front door: each runs top to bottom in a fresh kernel, and ships without outputs."""
-import os
-import sys
+"""The notebooks are the front door, and each is its own source.
+
+Every notebooks/<name>.ipynb is paired by jupytext (notebooks/jupytext.toml) with a percent-format
+notebooks/<name>.py, the file a diff, a review and a linter read: the two must hold the same cells.
+Notebooks ship without outputs, and each runs top to bottom in a fresh kernel (marker `ui`).
+"""
+import difflib
+from itertools import zip_longest
 from pathlib import Path
 
 import nbformat
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
+SYNC = ".venv/bin/jupytext --sync notebooks/{name}"
+
+
+def test_the_notebooks_are_there():
+    names = {p.stem for p in NOTEBOOKS}
+    assert "00_start_here" in names and len(names) >= 13, sorted(names)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -15,6 +27,49 @@ def test_committed_notebook_has_no_outputs(path):
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name} cell {i} carries outputs"
+
+
+def test_jupytext_toml_pairs_every_notebook_with_a_percent_py():
+    from jupytext.config import find_jupytext_configuration_file, load_jupytext_configuration_file
+    from jupytext.formats import long_form_multiple_formats
+    found = find_jupytext_configuration_file(str(NB_DIR), search_parent_dirs=False)
+    assert found and Path(found) == NB_DIR / "jupytext.toml", f"no jupytext.toml in notebooks/ (found {found})"
+    config = load_jupytext_configuration_file(found)
+    for path in NOTEBOOKS:
+        formats = long_form_multiple_formats(config.default_formats(str(path)))
+        assert {(f["extension"], f.get("format_name")) for f in formats} == {(".ipynb", None), (".py", "percent")}, \
+            f"jupytext.toml pairs {path.name} as {formats}, not ipynb,py:percent"
+        own = nbformat.read(path, as_version=4).metadata.get("jupytext", {}).get("formats")
+        assert own is None, f"{path.name} sets its own jupytext formats {own!r}: the pairing lives in jupytext.toml"
+    orphans = sorted(p.name for p in NB_DIR.glob("*.py") if not p.with_suffix(".ipynb").exists())
+    assert not orphans, f"notebooks/{orphans} have no .ipynb: create it with `.venv/bin/jupytext --to ipynb`"
+
+
+def cells(nb) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_and_its_py_hold_the_same_cells(path):
+    import jupytext
+    py = path.with_suffix(".py")
+    assert py.exists(), f"{path.name} has no paired {py.name}: run `{SYNC.format(name=path.name)}`"
+    text = py.read_text(encoding="utf-8")
+    compile(text, str(py), "exec")                       # the .py is plain Python (a SyntaxError says where)
+    ipynb_cells, py_cells = cells(jupytext.read(path)), cells(jupytext.reads(text, fmt="py:percent"))
+    for i, (a, b) in enumerate(zip_longest(ipynb_cells, py_cells)):
+        if a == b:
+            continue
+        if a is None or b is None:
+            where = f"{py.name} has {len(py_cells)} cells, {path.name} {len(ipynb_cells)}"
+        elif a[0] != b[0]:
+            where = f"a {a[0]} cell in {path.name}, a {b[0]} cell in {py.name}"
+        else:
+            where = "\n".join(difflib.unified_diff(a[1].splitlines(), b[1].splitlines(), path.name, py.name,
+                                                   lineterm="", n=1))
+        pytest.fail(f"{path.name} and {py.name} are out of sync at cell {i}:\n{where}\n"
+                    f"`{SYNC.format(name=path.name)}` copies the newer file's cells into the other "
+                    "(JupyterLab does it on save)")
 
 
 @pytest.mark.ui

@@ -16,7 +16,7 @@ import pytest
 from workbench import Engine, EngineConfig, SamplingParams, Workbench, faults
 from workbench.events import BatchPacked, StepFinished
 from workbench.findings import Finding, findings_frame
-from workbench.trace.replay import replay
+from workbench.trace import replay
 from workbench.trace.schema import Trace, TraceRecord
 from workbench.trace.timetravel import PoolState, TimeTravel
 from workbench.widgets import Dashboard, FindingsTable, PageMap, Throttle, encode
@@ -329,3 +329,46 @@ def test_static_html_is_self_contained_and_carries_the_page_map(engine, tmp_path
     assert base64.b64decode(data["frames"][-1]["codes"]) == encode(live.states, live.owner)
     assert data["frames"][-1]["counts"] == live.counts()
     assert not dashboards_listening(engine)                  # the export left nothing subscribed
+
+
+def test_the_ring_goes_with_its_finding():
+    # A picked finding rings its page and marks its layer while it is among the findings: a new
+    # finding arriving keeps them, a reset of the findings (wb.reset()) takes them away.
+    recs = [TraceRecord(i, arrival_s=0.02 * i, output_len=12, prompt_len=40) for i in range(6)]
+    res = replay(Trace(recs), EngineConfig(num_pages=48, max_num_seqs=4), "simulate", progress=False)
+    hit = Finding("fp16_overflow", "error", "layer 1: K absmax 70000 > 65504", "scale per page",
+                  "fp16-kv-overflow", step=5, layer=1, page=3)
+    shown = [findings_frame([hit])]
+    dash = Dashboard(res.log, 48, findings=lambda: shown[0], live=False)
+    dash.table.select(0)
+    assert dash.page_map.highlight == [3] and dash.timelines.layer_marked() == 1
+    later = Finding("pool", "warn", "usage 0.96", "more pages", "pool-usage", step=9)
+    shown[0] = findings_frame([hit, later])
+    dash.refresh(force=True)
+    assert dash.table.selected is not None and dash.page_map.highlight == [3]
+    assert dash.timelines.layer_marked() == 1
+    shown[0] = findings_frame([])                            # the findings were reset
+    dash.refresh(force=True)
+    assert dash.table.selected is None and dash.page_map.highlight == []
+    assert dash.timelines.layer_marked() is None
+    dash.goto(2)                                             # and stays gone as the cursor moves
+    assert dash.page_map.step == 2 and dash.page_map.highlight == []
+    dash.close()
+
+
+@pytest.mark.parametrize("max_points", [2000, 2])               # every step drawn; steps bucketed
+def test_non_finite_kv_is_drawn_as_overflow_never_sent_as_nan(max_points):
+    # K/V that went inf or NaN (past fp16's range) have the worst headroom there is: the heatmap draws
+    # them above the scale's top, and the figure carries no NaN (not JSON: the kernel warns on each message).
+    from workbench.events import EventBus, EventLog, KVWritten
+    from workbench.widgets.timelines import NONFINITE_LOG10, Timelines
+    bus = EventBus()
+    tl = Timelines(EventLog(bus), max_points=max_points)
+    for step in (1, 2, 3):
+        for layer, (k, v) in enumerate([(6.5504, 1.0), (float("nan"), float("nan")), (float("inf"), 1.0)]):
+            bus.emit(KVWritten(step, 0, layer, k, v, 4))
+    tl.refresh(force=True)
+    z = np.asarray(tl.fig.data[9].z, dtype=float)
+    assert z.shape[0] == 3 and np.isfinite(z).all()
+    assert np.allclose(z[0], -4.0) and (z[1:] == NONFINITE_LOG10).all()
+    json.dumps(z.tolist(), allow_nan=False)

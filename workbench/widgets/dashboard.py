@@ -9,7 +9,8 @@ cell finishes (IPython's post_run_cell) or on refresh(force=True).
 
 Time travel: the step slider (with a Play button) moves one cursor; the page map shows
 TimeTravel(log).state_at(step), the timelines draw the cursor line, and a finding picked
-in the table moves the cursor to its step and highlights its pages and layer. While
+in the table moves the cursor to its step and highlights its pages and layer (until the
+findings are reset: then the highlights go with it). While
 following a live engine, the head step shows the live pool (live_state: what
 PoolState.from_engine returns, vectorised).
 """
@@ -108,6 +109,7 @@ class Dashboard:
         self.slider.observe(self._on_slider, "value")
         self.follow.observe(self._on_follow, "value")
         self.table.on_select.append(self._on_finding)
+        self.table.on_clear.append(self._on_finding_gone)
         self.timelines.on_cursor.append(self._on_timeline_click)
         self.widget = W.VBox([W.HTML(f"<b>{title}</b>"), self.status,
                               W.HBox([self.play, self.slider, self.follow]),
@@ -319,6 +321,11 @@ class Dashboard:
                 self.slider.value = step                    # -> show_step, with the highlight
                 return
         self._safe(self.show_step, self.slider.value)
+
+    def _on_finding_gone(self) -> None:
+        self._highlight = []
+        self.page_map.highlight = []
+        self.timelines.set_cursor(self.timelines.cursor, None, keep_layer=False)
 
     # ---- per-page details (asked for by the page map on hover/click) -------------------
     def _details(self, page: int) -> dict:

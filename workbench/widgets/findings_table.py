@@ -2,7 +2,9 @@
 
 Built from ipywidgets over the findings DataFrame (workbench.findings.COLUMNS). A
 selection calls every `on_select` callback with the finding as a dict plus `pages`
-(every page it names), which the dashboard turns into a cursor move and highlights.
+(every page it names), which the dashboard turns into a cursor move and highlights;
+when a reload no longer holds the selected finding (the findings were reset), every
+`on_clear` callback is called, and the dashboard drops its highlights.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class FindingsTable:
         self._source = findings if callable(findings) else (lambda df=findings: df)
         self.frame = pd.DataFrame(columns=COLUMNS)
         self.on_select: list[Callable[[dict], None]] = []
+        self.on_clear: list[Callable[[], None]] = []
         self.selected: dict | None = None
         self.query = W.Text(placeholder="filter: text in message, kind, probe, hint", layout=W.Layout(width="260px"))
         self.severity = W.Dropdown(options=["all"] + list(SEVERITIES), value="all", description="at least",
@@ -78,7 +81,18 @@ class FindingsTable:
         if list(self.probe.options) != probes:
             self.probe.options = probes
         self.redraw()
+        if self.selected is not None and not self.holds(self.selected):
+            self.selected = None                            # its finding is gone: so is what it marked
+            self.detail.value = ""
+            for fn in self.on_clear:
+                fn()
         return True
+
+    def holds(self, row: dict) -> bool:
+        """Whether the findings hold this one (same probe, kind and time)."""
+        f = self.frame
+        return bool(((f["probe"] == row.get("probe")) & (f["kind"] == row.get("kind"))
+                     & (f["time"] == row.get("time"))).any())
 
     def view(self):
         """The findings as shown: filtered, then sorted (missing values last)."""

@@ -22,6 +22,10 @@ from .log_tail import LogTail
 from .page_map import PALETTE, hue_of
 
 FP16_MAX = 65504.0
+# Where a non-finite K/V or hidden state (inf/NaN: past fp16's range) is drawn on the headroom
+# heatmap: log10 headroom 1, ten times the fp16 max, above the colour scale's top (0). Never NaN:
+# a NaN in the figure is no JSON, and the kernel warns on every message that carries one.
+NONFINITE_LOG10 = 1.0
 PANELS = ("pool pages", "requests", "step time / tokens", "bandwidth (GB/s)", "lock wait (ms)",
           "FP16 headroom: log10(absmax / 65504) per layer", "batch composition (cu_seqlens segments)")
 STEP_FIELDS = ["step", "duration_ns", "num_tokens", "pages_used", "pages_cached", "num_running", "num_waiting",
@@ -35,6 +39,8 @@ def _put(cols: dict, step: int, layer: int, value: float) -> None:
         if c is not None:
             grown[: len(c)] = c
         c = cols[step] = grown
+    if not math.isfinite(value):                 # inf/NaN K/V: the worst headroom there is, not a gap
+        value = math.inf
     c[layer] = np.fmax(c[layer], value)
 
 
@@ -214,9 +220,11 @@ class Timelines:
             z[: len(c), i] = c
         if len(steps) > self.max_points:                 # keep the worst (largest) value per bucket
             edges = np.linspace(0, len(steps), self.max_points + 1).astype(int)[:-1]
-            steps, z = steps[edges], np.fmax.reduceat(np.nan_to_num(z, nan=0.0), edges, axis=1)
+            steps, z = steps[edges], np.fmax.reduceat(np.nan_to_num(z, nan=0.0, posinf=np.inf), edges, axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return steps, np.arange(L), np.log10(np.where(z > 0, z, np.nan))
+            h = np.log10(np.where(z > 0, z, np.nan))
+        h[np.isposinf(h)] = NONFINITE_LOG10
+        return steps, np.arange(L), h
 
     def segment_window_at(self) -> tuple[int, int]:
         """The steps of batch composition drawn: segment_window of them around the cursor (or the end)."""
