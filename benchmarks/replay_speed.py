@@ -1,45 +1,65 @@
-"""Simulate-mode replay speed: the whole Mooncake conversation trace, and time travel.
+"""Simulate-mode replay speed: the whole Mooncake conversation trace, against bare scheduling.
 
-12,031 requests, lengths as they are, prefix caching on, 16-token pages, every event
-recorded in the EventLog; then state_at() over 100 random steps.
-Peer: nano-vllm's own Scheduler + BlockManager (pure Python, no model, no events; 16-token
-blocks, 65,536 blocks, 256 sequences, 16,384-token budget) replays the same trace in 74 s
-on this machine (DESIGN.md); we use the same pool and batch limits.
+12,031 requests, lengths as they are, prefix caching on, 16-token pages, 65,536 pages, 256
+sequences, a 16,384-token budget, every event recorded in the EventLog; then state_at() over
+100 random steps. Peer: a nano-vllm-style Scheduler + BlockManager loop of ours
+(benchmarks/bare_loop.py: no events, no model, the same page size, pool, budget and
+policy) over the same trace. The two run interleaved, --rounds times each, best of each
+(the machine drifts); printed: both times and the ratio.
 
-    .venv/bin/python benchmarks/replay_speed.py [--limit N]
+    .venv/bin/python benchmarks/replay_speed.py [--limit N] [--rounds 1]
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from workbench import EngineConfig
-from workbench.trace import read_trace
-from workbench.trace.replay import replay
-from workbench.trace.timetravel import TimeTravel
+from workbench.data import mooncake_full
+from workbench.trace import TimeTravel, read_trace, replay
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation" / "conversation_trace.jsonl"
-NANO_VLLM_S = 74.0
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bare_loop import bare_replay  # noqa: E402
+
+TARGET_S = 20.0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default=str(MOONCAKE))
+    ap.add_argument("--trace", default=str(mooncake_full() or ""))
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args(argv)
+    if not a.trace:
+        raise SystemExit("replay_speed: the Mooncake trace is not beside this checkout (../shared/traces); "
+                         "give --trace")
     trace = read_trace(a.trace)
+    records = trace.records[:a.limit] if a.limit else trace.records
     cfg = EngineConfig(page_size=16, num_pages=65536, max_num_seqs=256, max_num_batched_tokens=16384)
-    t = time.perf_counter()
-    res = replay(trace, cfg, "simulate", limit=a.limit, progress=False)
-    wall = time.perf_counter() - t
+    sim_s, bare_s, res = [], [], None
+    for _ in range(a.rounds):
+        res = None                                   # the previous round's log freed before timing the next
+        t = time.perf_counter()
+        res = replay(trace, cfg, "simulate", limit=a.limit, progress=False)
+        sim_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        steps, preempt, hit = bare_replay(records, cfg.page_size, cfg.num_pages, cfg.max_num_seqs,
+                                          cfg.max_num_batched_tokens, cfg.watermark)
+        bare_s.append(time.perf_counter() - t)
+    wall, bare = min(sim_s), min(bare_s)
     n = len(res.requests) + len(res.rejected)
     st = res.engine.stats()
     print(f"simulate: {n} requests, {len(res.steps)} steps, {len(res.log):,} events recorded in {wall:.1f} s "
-          f"({n / wall:.0f} req/s; target < 60 s; nano-vllm's scheduler without events: {NANO_VLLM_S:.0f} s "
-          f"-> {NANO_VLLM_S / wall:.2f}x); prefix hit {st['prefix_cache_hits'] / max(1, st['prefix_cache_queries']):.1%}")
+          f"({n / wall:.0f} req/s; target <= {TARGET_S:.0f} s); {st['num_preemptions']} preemptions, prefix hit "
+          f"{st['prefix_cache_hits'] / max(1, st['prefix_cache_queries']):.1%}")
+    print(f"bare loop (nano-vllm-style scheduler + block manager, no events): {steps} steps, {preempt} preemptions, "
+          f"prefix hit {hit:.1%} in {bare:.1f} s -> simulate / bare = {wall / bare:.2f}x"
+          + (f"  (best of {a.rounds}: simulate {', '.join(f'{x:.1f}' for x in sim_s)} s; "
+             f"bare {', '.join(f'{x:.1f}' for x in bare_s)} s)" if a.rounds > 1 else ""))
     t = time.perf_counter()
     tt = TimeTravel(res.log, cfg.num_pages)
     build = time.perf_counter() - t

@@ -12,8 +12,8 @@ per-page arrays and a walk of its free queue, never from its counters alone:
   (from the pool's allocation and share events) and how that request left — finish,
   abort or preemption — which is the release path to fix.
 
-Pages an owner takes outside any request (a named reservation: pool.actor a string,
-as the pool_pressure fault does) are reported at warn, as held, not as a leak.
+Pages an owner takes outside any request (a named reservation: a string owner passed to
+pool.allocate, as the pool_pressure fault does) are reported at warn, as held, not as a leak.
 
 Cost per check: list->array conversions of the pool's arrays and a Python walk of the
 free queue, O(num_pages) (~0.3 ms at 2,048 pages, ~20 ms at 131,072): sampled.

@@ -39,3 +39,19 @@ def test_advisor_sweep_and_recommendation():
     rec = recommend(table)
     row = table[(table.page_size == rec["page_size"]) & (table.num_pages == rec["num_pages"])].iloc[0]
     assert row["preemptions"] == 0 and row["rejections"] == 0
+
+
+def test_parallel_sweep_equals_the_serial_one(monkeypatch):
+    import concurrent.futures
+
+    import pandas as pd
+    t = read_trace(AZURE)
+    kw = dict(page_sizes=(16, 64), limit=150, max_batch=16, length_scale=1 / 8, time_scale=0.05)
+    serial = advise(t, workers=1, progress=False, **kw)
+    parallel = advise(t, workers=2, progress=True, **kw)          # spawned processes, a progress bar
+    pd.testing.assert_frame_equal(serial, parallel)
+
+    def no_processes(*a, **k):
+        raise OSError("no processes here")
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", no_processes)
+    pd.testing.assert_frame_equal(serial, advise(t, workers=2, progress=False, **kw))   # falls back to serial

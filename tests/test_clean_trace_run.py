@@ -9,8 +9,7 @@ import pytest
 
 import probes
 from workbench import Engine, EngineConfig, Workbench
-from workbench.trace import read_trace
-from workbench.trace.replay import replay_full
+from workbench.trace import read_trace, replay_full
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code" / "AzureLLMInferenceTrace_code.csv"
 

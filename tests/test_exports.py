@@ -7,8 +7,7 @@ import pytest
 
 from workbench import Engine, EngineConfig, Workbench
 from workbench.export import merge_into, to_chrome_trace, write_chrome_trace, write_html_report
-from workbench.trace import read_trace
-from workbench.trace.replay import replay
+from workbench.trace import read_trace, replay
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code" / "AzureLLMInferenceTrace_code.csv"
 REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "C": {"name", "ph", "ts", "pid", "args"},

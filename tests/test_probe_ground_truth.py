@@ -298,7 +298,7 @@ def test_chain_hash_without_parent_serves_a_page_at_the_wrong_position(sharp_lla
     x, y = rng.integers(3, 256, 16).tolist(), rng.integers(3, 256, 20).tolist()
     prompts = [x + y, x + x + y]            # the second repeats page 0 as its page 1
     clean_toks, _, _, _ = run(sharp_llama_dir, prompts[:1] + prompts[1:])
-    monkeypatch.setattr(kvm, "hash_page", lambda parent, tokens: hash((0, tokens)))
+    monkeypatch.setattr(kvm, "hash_chain", lambda parent, blocks: [(hash((0, b)), b) for b in blocks])
     eng = engine(sharp_llama_dir)
     wb = Workbench(eng, log=False).attach(*PROBES)
     a = eng.generate([prompts[0]], GREEDY)[0].token_ids

@@ -4,8 +4,7 @@ from pathlib import Path
 import pytest
 
 from workbench import Engine, EngineConfig
-from workbench.trace import read_trace
-from workbench.trace.replay import replay
+from workbench.trace import read_trace, replay
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_fast25_conversation" / "conversation_trace.jsonl"
@@ -61,3 +60,48 @@ def test_mooncake_prefix_sharing_is_what_the_trace_says():
         seen.update(r.hash_ids)
     assert res.engine.stats()["num_evictions"] == 0
     assert (hit_blocks + must_compute) / total_blocks == pytest.approx(t.repeated_block_fraction(), abs=2e-3)
+
+
+def test_trace_package_exports_the_functions_not_modules():
+    import types
+
+    import workbench.trace as trace
+    from workbench.trace import TimeTravel, advise, recommend, replay as fn
+    from workbench.trace.advisor import advise as advise_mod
+    from workbench.trace.replay import ReplayResult, replay as old_path     # the old module path still resolves
+    from workbench.trace.timetravel import TimeTravel as tt_mod
+    for name in ("replay", "TimeTravel", "advise", "recommend", "read_trace"):
+        assert not isinstance(getattr(trace, name), types.ModuleType), name
+    assert fn is old_path is trace.replay and callable(fn) and isinstance(TimeTravel, type)
+    assert advise is advise_mod and TimeTravel is tt_mod and callable(recommend)
+    assert ReplayResult.__module__ == "workbench.trace.replaying"
+
+
+def test_simulated_replay_leaves_the_collector_as_it_was():
+    import gc
+    t = read_trace(MOONCAKE)[:20]
+    assert gc.isenabled()
+    replay(t, SIM, "simulate", length_scale=1 / 8, progress=False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        replay(t, SIM, "simulate", length_scale=1 / 8, progress=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_sim_page_keys_in_bulk_equal_page_key_one_by_one():
+    import random
+
+    from workbench.engine.sequence import SamplingParams
+    from workbench.trace.simulate import SimSequence
+    rng = random.Random(1)
+    for _ in range(300):
+        ps, block = rng.choice([4, 16, 32]), rng.choice([8, 16, 24, 48, 64, 512])
+        plen = rng.randint(1, 400)
+        ids = [rng.randint(0, 10 ** 9) for _ in range(-(-plen // block))] if rng.random() < 0.8 else None
+        seq = SimSequence(rng.randint(0, 99), plen, SamplingParams(max_tokens=8), plen + 8, ids, block)
+        a = rng.randint(0, (plen + 8) // ps)
+        b = rng.randint(a, (plen + 8) // ps + 1)
+        assert seq.page_keys(a, b, ps) == [seq.page_key(i, ps) for i in range(a, b)], (ps, block, plen, a, b)

@@ -225,8 +225,7 @@ def _args_replay(p: argparse.ArgumentParser) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from workbench.engine.config import ConfigError, EngineConfig
-    from workbench.trace import TraceFormatError, read_trace
-    from workbench.trace.replay import replay
+    from workbench.trace import TraceFormatError, read_trace, replay
 
     try:
         trace = read_trace(args.trace, format=args.format)

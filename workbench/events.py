@@ -10,6 +10,7 @@ so an event type nobody subscribes to costs one set lookup and allocates nothing
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -247,6 +248,9 @@ def _plain(v: Any) -> Any:
     return str(v)
 
 
+_PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})    # _plain(v) is v: the common case, one lookup
+
+
 class EventLog:
     """Every event in columns (one table per event type), bounded, with spill to Parquet.
 
@@ -268,6 +272,7 @@ class EventLog:
         self._types = tuple(types)
         self._fields = {t: [f.name for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS]
                         for t in self._types}
+        self._recorders: dict[type, tuple] = {}
         self.bus = None
         if bus is not None:
             self.attach(bus)
@@ -282,17 +287,31 @@ class EventLog:
             self.bus = None
 
     def record(self, e: Event) -> None:
+        # The hot path of a replay (a million events): per type, the columns' bound appends and
+        # one attrgetter for all fields are made once; each value is stored as _plain(value).
         t = type(e)
+        plain = _PLAIN_TYPES
         with self._lock:
-            cols = self.tables.get(t)
-            if cols is None:
-                cols = self.tables[t] = {"seq": [], **{f: [] for f in self._fields[t]}}
-            cols["seq"].append(self.seq)
+            rec = self._recorders.get(t)
+            if rec is None or self.tables.get(t) is not rec[0]:
+                rec = self._new_table(t)
+            cols, seq_append, appends, get = rec
+            seq_append(self.seq)
             self.seq += 1
-            for f in self._fields[t]:
-                cols[f].append(_plain(getattr(e, f)))
+            for append, v in zip(appends, get(e)):
+                vt = type(v)
+                append(v if vt in plain else list(v) if vt is tuple else _plain(v))
             if self.max_rows is not None and len(cols["seq"]) > self.max_rows:
                 self._spill(t, cols)
+
+    def _new_table(self, t: type) -> tuple:
+        fields = self._fields[t]
+        cols = self.tables.get(t)
+        if cols is None:
+            cols = self.tables[t] = {"seq": [], **{f: [] for f in fields}}
+        get = operator.attrgetter(*fields) if len(fields) > 1 else (lambda e, _f=fields[0]: (getattr(e, _f),))
+        rec = self._recorders[t] = (cols, cols["seq"].append, tuple(cols[f].append for f in fields), get)
+        return rec
 
     def _spill(self, t: type, cols: dict[str, list]) -> None:
         half = len(cols["seq"]) // 2

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 
 from .attention import native
-from ..events import (AttentionRead, EventBus, KVWritten, PagesAllocated, PagesEvicted, PagesFreed,
-                      PagesRegistered, PagesShared, now_ns)
-
-# The one map from a pool callback's kind to its event type (the engine and the simulator).
-POOL_EVENTS = {"allocated": PagesAllocated, "freed": PagesFreed, "shared": PagesShared,
-               "evicted": PagesEvicted, "registered": PagesRegistered}
+from .pages import POOL_EVENTS
+from ..events import AttentionRead, EventBus, KVWritten, now_ns
 
 
 class ModelHooks:
@@ -54,28 +50,25 @@ class ModelHooks:
             t.on_hidden(layer, h, batch)
 
 
-def pool_event(kind: str, pages, pool, step: int, t_ns: int, **detail):
-    """The event for one pool callback (shared by the engine and the simulator)."""
-    pages, actor = tuple(pages), pool.actor
-    if kind == "allocated":
-        return PagesAllocated(step, t_ns, pages, tuple(pool.generation[p] for p in pages), actor)
-    if kind == "freed":
-        return PagesFreed(step, t_ns, pages, actor, detail.get("cached", ()), detail.get("still_shared", ()))
-    if kind == "shared":
-        return PagesShared(step, t_ns, pages, actor)
-    if kind == "registered":
-        return PagesRegistered(step, t_ns, pages, detail.get("indices", ()), actor)
-    return PagesEvicted(step, t_ns, pages)
+def pool_observer(bus: EventBus, clock):
+    """The pool's observer for a listener: each change the pool reports as (event type, fields)
+    becomes that event, stamped with clock() -> (step, t_ns), if the bus wants it. Shared by
+    the engine and the simulator; PagePool names the types (pages.POOL_EVENTS)."""
+    def observer(etype, *fields):
+        if bus.wants(etype):
+            bus.emit(etype(*clock(), *fields))
+    return observer
+
+
+def wants_pool_events(bus: EventBus) -> bool:
+    return any(bus.wants(t) for t in POOL_EVENTS)
 
 
 def refresh(engine) -> None:
     """Wire or unwire the pool observer and model hooks to match what the bus wants."""
     bus = engine.bus
-    if any(bus.wants(t) for t in POOL_EVENTS.values()):
-        def observer(kind, pages, _e=engine, **detail):
-            if _e.bus.wants(POOL_EVENTS[kind]):
-                _e.bus.emit(pool_event(kind, pages, _e.pool, _e.step_count, now_ns(), **detail))
-        engine.pool.observer = observer
+    if wants_pool_events(bus):
+        engine.pool.observer = pool_observer(bus, lambda _e=engine: (_e.step_count, now_ns()))
     else:
         engine.pool.observer = None
     hooks = engine.model_hooks

@@ -6,7 +6,7 @@ sum(ceil(tokens / page_size)) over live sequences: nothing reserved for max_len
 """
 from __future__ import annotations
 
-from .pages import PagePool, hash_page
+from .pages import PagePool, hash_chain
 from .sequence import Sequence
 
 
@@ -32,28 +32,18 @@ class KVCacheManager:
         n = (seq.num_tokens - 1) // self.page_size
         if n <= 0:
             return [], []
-        self.chain(seq, n - 1)                                    # extend the memo once, then walk it
         memo = seq.hash_chain
-        cached, tokens = self.pool.cached, self.pool.page_tokens   # pool.lookup, inlined: the hot loop
-        pages, hashes = [], []
-        for i in range(n):
-            h, block = memo[i]
-            p = cached.get(h)
-            if p is None or tokens[p] != block:
-                break
-            pages.append(p)
-            hashes.append(h)
-        return pages, hashes
+        if len(memo) < n:
+            self.chain(seq, n - 1)                                # extend the memo once, then walk it
+        return self.pool.walk(memo, n)
 
     def chain(self, seq: Sequence, i: int) -> tuple[int, tuple]:
         """(chained hash, content key) of seq's page i, memoised on the sequence: a request
         waiting for pages is looked up again every step, and its hashes never change."""
         memo = seq.hash_chain
-        ps = self.page_size
-        while len(memo) <= i:
-            j = len(memo)
-            block = seq.page_key(j, ps)
-            memo.append((hash_page(memo[-1][0] if memo else None, block), block))
+        j = len(memo)
+        if j <= i:
+            memo.extend(hash_chain(memo[-1][0] if memo else None, seq.page_keys(j, i + 1, self.page_size)))
         return memo[i]
 
     def try_admit(self, seq: Sequence, num_new_tokens_fn, reserve_pages: int = 0) -> int:
@@ -67,14 +57,15 @@ class KVCacheManager:
         num_new = num_new_tokens_fn(num_cached)
         if num_new <= 0:
             return 0
+        pool = self.pool
         need = pages_for(num_cached + num_new, self.page_size) - len(hit_pages)
-        revived = sum(map(self.pool.is_free, hit_pages))               # hits that leave the free queue
-        if self.pool.num_free - revived < need + reserve_pages:
+        revived = pool.count_free(hit_pages)                           # hits that leave the free queue
+        if pool.num_free - revived < need + reserve_pages:
             return 0
-        self.pool.actor = seq.request_id
-        self.pool.acquire(hit_pages)
-        seq.pages = list(hit_pages) + self.pool.allocate(need)
-        seq.page_generations = [self.pool.generation[p] for p in seq.pages]
+        rid = seq.request_id
+        pool.acquire(hit_pages, rid)
+        seq.pages = hit_pages + pool.allocate(need, rid)
+        seq.page_generations = list(map(pool.generation.__getitem__, seq.pages))
         seq.page_hashes = hit_hashes
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
@@ -85,22 +76,21 @@ class KVCacheManager:
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate the pages seq needs to compute num_new_tokens more; False if the pool is short."""
-        need = pages_for(seq.num_computed_tokens + num_new_tokens, self.page_size) - len(seq.pages)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size) - len(seq.pages)   # pages_for
         if need <= 0:
             return True
-        if need > self.pool.num_free:
+        pool = self.pool
+        if need > pool.num_free:
             return False
-        self.pool.actor = seq.request_id
-        new = self.pool.allocate(need)
+        new = pool.allocate(need, seq.request_id)
         seq.pages.extend(new)
-        seq.page_generations.extend(self.pool.generation[p] for p in new)
+        seq.page_generations.extend(map(pool.generation.__getitem__, new))
         return True
 
     def release(self, seq: Sequence) -> None:
         """Return seq's pages, tail first; shared and cached pages survive for others."""
         if seq.pages:
-            self.pool.actor = seq.request_id
-            self.pool.free(reversed(seq.pages))
+            self.pool.free(reversed(seq.pages), seq.request_id)
         seq.pages = []
         seq.page_generations = []
         seq.page_hashes = []
@@ -111,17 +101,15 @@ class KVCacheManager:
             return
         num_full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
         hashes = seq.page_hashes
-        if num_full <= len(hashes):                  # most steps: a decode that filled no page
+        done = len(hashes)
+        if num_full <= done:                         # most steps: a decode that filled no page
             return
-        self.chain(seq, num_full - 1)
-        memo, pages, register = seq.hash_chain, seq.pages, self.pool.register
-        entered, indices = [], []
-        for i in range(len(hashes), num_full):
-            h, block = memo[i]
-            hashes.append(h)
-            if register(pages[i], h, block, i, memo[i - 1][0] if i else None):
-                entered.append(pages[i])
-                indices.append(i)
-        if entered and self.pool.observer is not None:
-            self.pool.actor = seq.request_id
-            self.pool.notify_registered(entered, indices)
+        memo = seq.hash_chain
+        if len(memo) < num_full:
+            self.chain(seq, num_full - 1)
+        new = memo[done:num_full]
+        hashes.extend([h for h, _ in new])
+        entered, indices = self.pool.register_chain(seq.pages[done:num_full], new, done,
+                                                    memo[done - 1][0] if done else None)
+        if entered:
+            self.pool.notify_registered(entered, indices, seq.request_id)

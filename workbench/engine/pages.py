@@ -8,12 +8,35 @@ reusable until it reaches the head and is handed out again. Removal from the mid
 Every hand-out bumps the page's generation: a sequence that remembers the
 generation it was given can tell that its page was reused under it
 (the free_while_shared failure).
+
+The per-page loops (hand-out, free, registration, the prefix walk, chained hashes) are
+plain functions over these lists in pool_ops.py, compiled from csrc/pool_ops.c when a C
+compiler is at hand (a simulated production replay runs millions of pages through them),
+their Python reference otherwise; the lists stay the one representation everyone reads.
+
+Every call that changes who holds a page names its owner explicitly: a request id, or
+a named reservation (a string, as the pool_pressure fault takes pages for no request).
+Each change is reported to `observer` (when one is set) in the vocabulary of the
+events it becomes: `observer(event_type, *fields)`, the event's own fields after
+`step` and `t_ns`, which the listener supplies (the engine, the simulator). So the
+pool's changes map to event types in one place, here; POOL_EVENTS lists them.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from array import array
+from typing import Hashable, Iterable, Sequence
+
+from ..events import PagesAllocated, PagesEvicted, PagesFreed, PagesRegistered, PagesShared
+from . import pool_ops
 
 NIL = -1
+
+# What the pool reports, in the order of a page's life: observer(PagesAllocated, pages, generations, owner),
+# (PagesShared, pages, owner), (PagesRegistered, pages, page_indices, owner), (PagesFreed, pages, owner,
+# cached, still_shared), (PagesEvicted, pages).
+POOL_EVENTS: tuple[type, ...] = (PagesAllocated, PagesShared, PagesRegistered, PagesFreed, PagesEvicted)
+
+Owner = Hashable          # a request id (int) or a named reservation (str); None: nobody in particular
 
 
 class NoFreePages(RuntimeError):
@@ -34,6 +57,12 @@ def hash_page(parent_hash: int | None, tokens: tuple) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tokens))
 
 
+def hash_chain(parent_hash: int | None, blocks: list[tuple]) -> list[tuple[int, tuple]]:
+    """(hash, block) for consecutive pages after parent_hash: hash_page chained along, in one call
+    (compiled with the pool's loops when they load)."""
+    return pool_ops.active().hash_chain(ROOT_HASH, parent_hash, blocks)
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if num_pages < 1:
@@ -42,27 +71,29 @@ class PagePool:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         n = num_pages
-        self.ref = [0] * n
-        self.generation = [0] * n
+        # Per-page integers in typed arrays (indexable like lists, np.asarray() without a copy);
+        # per-page objects (hashes, tokens) in lists.
+        self.ref = array("q", bytes(8 * n))
+        self.generation = array("q", bytes(8 * n))
         self.page_hash: list[int | None] = [None] * n
         self.page_tokens: list[tuple | None] = [None] * n
         # Where a cached page was computed: its index in the registering sequence and the
         # chained hash of the page before it (None for a first page), so a prefix hit can be
         # checked against the requester's own position and history.
-        self.page_index: list[int] = [-1] * n
+        self.page_index = array("q", [-1]) * n
         self.page_parent: list[int | None] = [None] * n
         self.cached: dict[int, int] = {}          # prefix hash -> page id
         # Free queue as index-linked list: O(1) pop at head, push at tail, unlink anywhere.
-        self._prev = list(range(-1, n - 1))
-        self._next = list(range(1, n + 1))
+        self._prev = array("q", range(-1, n - 1))
+        self._next = array("q", range(1, n + 1))
         self._next[n - 1] = NIL
         self._head, self._tail = 0, n - 1
-        self._is_free = [True] * n
+        self._is_free = array("b", b"\x01" * n)
         self.num_free = n
         self.num_cached_free = 0                   # free pages that still carry a hash
         self.num_evictions = 0
-        self.observer = None                       # engine hook: observer(kind, pages, **detail)
-        self.actor = None                          # request id on whose behalf the pool is called
+        self.observer = None                       # observer(event_type, *fields): see the module doc
+        self._ops = pool_ops.active()              # the per-page loops: compiled, or their Python reference
 
     # ---- free queue -------------------------------------------------------
     def _unlink(self, p: int) -> None:
@@ -90,96 +121,62 @@ class PagePool:
         return out
 
     def is_free(self, p: int) -> bool:
-        return self._is_free[p]
+        return self._is_free[p] == 1
+
+    def count_free(self, pages: Iterable[int]) -> int:
+        """How many of these pages are on the free queue."""
+        return sum(map(self._is_free.__getitem__, pages))
 
     # ---- allocation -------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Hand out n pages from the LRU head; a cached page handed out loses its hash."""
+    def allocate(self, n: int, owner: Owner) -> list[int]:
+        """Hand out n pages to owner from the LRU head; a cached page handed out loses its hash."""
         if n > self.num_free:
             raise NoFreePages(f"asked for {n} pages, {self.num_free} free of {self.num_pages}")
-        # Pops from the head, inlined (_unlink for the head case): allocation is the hot path
-        # of a simulated production replay (millions of pages).
-        pages, evicted = [], []
-        nxt, prv, is_free, page_hash, gen, ref = self._next, self._prev, self._is_free, self.page_hash, \
-            self.generation, self.ref
-        p = self._head
-        for _ in range(n):
-            q = nxt[p]
-            nxt[p] = prv[p] = NIL
-            is_free[p] = False
-            h = page_hash[p]
-            if h is not None:
-                evicted.append(p)
-                if self.cached.get(h) == p:
-                    del self.cached[h]
-                page_hash[p] = None
-                self.page_tokens[p] = None
-                self.page_index[p] = -1
-                self.page_parent[p] = None
-            gen[p] += 1
-            ref[p] = 1
-            pages.append(p)
-            p = q
-        self._head = p
-        if p == NIL:
+        pages, evicted, head = self._ops.take(self._next, self._prev, self._is_free, self.page_hash,
+                                              self.page_tokens, self.page_index, self.page_parent, self.generation,
+                                              self.ref, self.cached, self._head, n)
+        self._head = head
+        if head == NIL:
             self._tail = NIL
-        else:
-            prv[p] = NIL
         self.num_free -= n
-        self.num_cached_free -= len(evicted)
-        self.num_evictions += len(evicted)
-        if self.observer is not None:
+        if evicted:
+            self.num_cached_free -= len(evicted)
+            self.num_evictions += len(evicted)
+        obs = self.observer
+        if obs is not None:
             if evicted:
-                self.observer("evicted", evicted)
-            self.observer("allocated", pages)
+                obs(PagesEvicted, tuple(evicted))
+            pages_t = tuple(pages)
+            obs(PagesAllocated, pages_t, tuple(map(self.generation.__getitem__, pages_t)), owner)
         return pages
 
-    def acquire(self, pages: list[int]) -> None:
-        """Take one more reference on each page (prefix-cache hits); revives cached-free pages."""
+    def acquire(self, pages: list[int], owner: Owner) -> None:
+        """Take one more reference on each page for owner (prefix-cache hits); revives cached-free pages."""
+        ref, is_free = self.ref, self._is_free
         for p in pages:
-            if self._is_free[p]:
+            if is_free[p]:
                 if self.page_hash[p] is None:
                     raise RuntimeError(f"page {p} is free and uncached: it cannot be shared")
                 self._unlink(p)
-            self.ref[p] += 1
+            ref[p] += 1
         if self.observer is not None and pages:
-            self.observer("shared", pages)
+            self.observer(PagesShared, tuple(pages), owner)
 
-    def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference per page; pages reaching zero join the free queue's tail.
+    def free(self, pages: Iterable[int], owner: Owner) -> None:
+        """Drop owner's reference on each page; pages reaching zero join the free queue's tail.
 
         Callers pass a sequence's pages tail first, so its last pages (least likely to
-        be shared as a prefix) are evicted before its first ones.
+        be shared as a prefix) are evicted before its first ones. A page with no reference
+        left raises RuntimeError, after the pages before it were freed and counted.
         """
-        released, still = [], []
-        ref, nxt, prv, is_free, page_hash = self.ref, self._next, self._prev, self._is_free, self.page_hash
-        tail, cached_free = self._tail, 0
-        try:
-            for p in pages:
-                r = ref[p]
-                if r <= 0:
-                    raise RuntimeError(f"page {p} freed with refcount {r}")
-                ref[p] = r - 1
-                if r == 1:                           # onto the free queue's tail, inlined (hot in replays)
-                    prv[p], nxt[p] = tail, NIL
-                    if tail == NIL:
-                        self._head = p
-                    else:
-                        nxt[tail] = p
-                    tail = p
-                    is_free[p] = True
-                    if page_hash[p] is not None:
-                        cached_free += 1
-                    released.append(p)
-                else:
-                    still.append(p)
-        finally:                                     # consistent counters even after a bad page
-            self._tail = tail
-            self.num_free += len(released)
-            self.num_cached_free += cached_free
+        released, still, cached, self._head, self._tail, error = self._ops.release(
+            self.ref, self._next, self._prev, self._is_free, self.page_hash, pages, self._head, self._tail)
+        self.num_free += len(released)
+        self.num_cached_free += len(cached)
+        if error is not None:
+            raise error
         if self.observer is not None and (released or still):
-            self.observer("freed", released, cached=tuple(p for p in released if self.page_hash[p] is not None),
-                          still_shared=tuple(still))
+            self.observer(PagesFreed, tuple(released), owner, tuple(cached), tuple(still))
 
     # ---- prefix cache -----------------------------------------------------
     def lookup(self, h: int, tokens: tuple) -> int | None:
@@ -205,16 +202,32 @@ class PagePool:
         self.page_parent[p] = parent
         return True
 
-    def notify_registered(self, pages: list[int], indices: list[int]) -> None:
-        """Tell the observer which pages register() just entered (one call per sequence and step)."""
+    def register_chain(self, pages: list[int], chain: list[tuple[int, tuple]], index: int,
+                       parent: int | None) -> tuple[list[int], list[int]]:
+        """register() for consecutive pages of one sequence, the first at `index` and chained
+        from `parent`; chain holds each page's (hash, tokens). Returns the pages entered and
+        their indices (what notify_registered reports)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        return self._ops.register_chain(self.cached, self.page_hash, self.page_tokens, self.page_index,
+                                        self.page_parent, pages, chain, index, parent)
+
+    def walk(self, chain: list[tuple[int, tuple]], n: int) -> tuple[list[int], list[int]]:
+        """The cached pages (and hashes) of the longest prefix among chain's first n pages,
+        lookup() page by page until the first miss."""
+        return self._ops.walk(chain, n, self.cached, self.page_tokens)
+
+    def notify_registered(self, pages: list[int], indices: list[int], owner: Owner) -> None:
+        """Tell the observer which pages register() just entered for owner (one call per sequence and step)."""
         if self.observer is not None and pages:
-            self.observer("registered", pages, indices=tuple(indices))
+            self.observer(PagesRegistered, tuple(pages), tuple(indices), owner)
 
     def forget(self, pages: Iterable[int]) -> list[int]:
         """Drop the prefix hash of these pages (a prefix-cache flush); returns those that had one.
 
         A free page among them stays free but is no longer reusable as a prefix; the
-        observer hears "evicted", so event consumers (time travel, views) stay in step.
+        observer hears PagesEvicted, so event consumers (time travel, views) stay in step.
+        No owner: the pages' holders keep them.
         """
         dropped = []
         for p in dict.fromkeys(pages):
@@ -229,7 +242,7 @@ class PagePool:
             self.page_index[p] = -1
             dropped.append(p)
         if self.observer is not None and dropped:
-            self.observer("evicted", dropped)
+            self.observer(PagesEvicted, tuple(dropped))
         return dropped
 
     # ---- state ------------------------------------------------------------

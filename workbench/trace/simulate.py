@@ -7,10 +7,12 @@ is the same as a full replay of the same schedule.
 """
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 from ..engine.config import EngineConfig
-from ..engine.instrumentation import POOL_EVENTS as _POOL_EVENTS, pool_event
+from ..engine.instrumentation import pool_observer, wants_pool_events
 from ..engine.kv_manager import KVCacheManager, pages_for
 from ..engine.pages import PagePool
 from ..engine.scheduler import Scheduler
@@ -39,26 +41,32 @@ class StepCost:
         return cls(max(float(c0), 0.0), max(float(c1), 0.0))
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets(block: int, ps: int) -> tuple[int, ...]:
+    return tuple(range(0, block, ps))
+
+
+_request_id = operator.attrgetter("request_id")
+_computed = operator.attrgetter("num_computed_tokens")
+
+
 class SimSequence(Sequence):
+    # Plain attributes here (properties on Sequence): the scheduler reads them every step.
+    num_tokens = 0
+    num_prompt_tokens = 0
+
     def __init__(self, request_id: int, prompt_len: int, params: SamplingParams, max_len: int,
                  hash_ids=None, hash_block_size: int | None = None, user_request_id=None, arrival_time: float = 0.0):
         super().__init__(request_id, [], params, max_len, arrival_time=arrival_time, user_request_id=user_request_id)
         self.prompt_len = prompt_len
-        self._num_tokens = prompt_len
+        self.num_tokens = prompt_len
+        self.num_prompt_tokens = prompt_len
         self.hash_ids = hash_ids
         self.block = hash_block_size or 0
         self.num_output = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.prompt_len
-
     def append_token(self, token_id: int = 0) -> None:
-        self._num_tokens += 1
+        self.num_tokens += 1
         self.num_output += 1
 
     def page_key(self, i: int, ps: int) -> tuple:
@@ -69,6 +77,22 @@ class SimSequence(Sequence):
                 return (self.hash_ids[b0], start - b0 * self.block)
             return (self.hash_ids[b0], start - b0 * self.block, self.hash_ids[b1])
         return (-1, self.request_id, i)          # nothing shared: unique content
+
+    def page_keys(self, start: int, stop: int, ps: int) -> list[tuple]:
+        """page_key for pages start..stop-1 in one go (a long prompt has thousands)."""
+        shared = min(stop, self.prompt_len // ps) if self.hash_ids else 0     # pages inside the prompt
+        ids, blk = self.hash_ids, self.block
+        if shared <= start:
+            keys = []
+        elif blk % ps == 0:                      # no page straddles two hash blocks
+            per = blk // ps
+            offs = _offsets(blk, ps)             # shared int objects: a trace's keys allocate only their tuples
+            keys = [(ids[i // per], offs[i % per]) for i in range(start, shared)]
+        else:
+            keys = [self.page_key(i, ps) for i in range(start, shared)]
+        rid = self.request_id
+        keys += [(-1, rid, i) for i in range(max(start, shared), stop)]
+        return keys
 
 
 class Simulator:
@@ -85,20 +109,17 @@ class Simulator:
                                    config.watermark)
         self.max_model_len = config.max_model_len or (1 << 31)
         self.bus = bus or EventBus()
-        self.bus.on_change.append(self._rewire)
-        self._rewire()
         self.step_count = 0
         self.clock = 0.0
         self.last_num_tokens = 0
+        self.last_finished: list[SimSequence] = []     # the sequences the last step finished
         self._next_id = 0
+        self.bus.on_change.append(self._rewire)
+        self._rewire()
 
     def _rewire(self) -> None:
-        bus = self.bus
-        if any(bus.wants(t) for t in _POOL_EVENTS.values()):
-            def observer(kind, pages, **detail):
-                if bus.wants(_POOL_EVENTS[kind]):
-                    bus.emit(pool_event(kind, pages, self.pool, self.step_count, int(self.clock * 1e9), **detail))
-            self.pool.observer = observer
+        if wants_pool_events(self.bus):
+            self.pool.observer = pool_observer(self.bus, lambda: (self.step_count, int(self.clock * 1e9)))
         else:
             self.pool.observer = None
 
@@ -130,6 +151,7 @@ class Simulator:
         self.step_count += 1
         bus, step = self.bus, self.step_count
         sched = self.scheduler.schedule()
+        scheduled = sched.scheduled
         t = int(self.clock * 1e9)
         if sched.preempted and bus.wants(RequestPreempted):
             for s in sched.preempted:
@@ -137,39 +159,47 @@ class Simulator:
         if sched.admitted and bus.wants(RequestAdmitted):
             for s in sched.admitted:
                 bus.emit(RequestAdmitted(step, t, s.request_id, s.num_cached_tokens, len(s.pages)))
-        n_tok = sched.num_tokens
+        seqs, q = zip(*scheduled) if scheduled else ((), ())
+        n_tok = sum(q)
         self.last_num_tokens = n_tok
-        if bus.wants(BatchPacked) and sched.scheduled:
-            q = [n for _, n in sched.scheduled]
-            bus.emit(BatchPacked(step, t, tuple(s.request_id for s, _ in sched.scheduled), tuple(q),
-                                 tuple(s.num_computed_tokens + n for s, n in sched.scheduled), n_tok,
-                                 sum(1 for x in q if x > 1), sum(1 for x in q if x == 1)))
-        dt = self.cost(n_tok) if sched.scheduled else 0.0
+        if scheduled and bus.wants(BatchPacked):
+            n_decode = q.count(1)
+            bus.emit(BatchPacked(step, t, tuple(map(_request_id, seqs)), q,
+                                 tuple(map(operator.add, map(_computed, seqs), q)), n_tok,
+                                 len(q) - n_decode - q.count(0), n_decode))
+        dt = self.cost(n_tok) if scheduled else 0.0
         self.clock += dt
-        produced = []
-        kv = self.kv_manager
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            kv.cache_full_pages(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token()
+        clock = self.clock
+        produced, finished = [], []
+        kv, ps = self.kv_manager, self.config.page_size
+        register = kv.enable_prefix_caching
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens + n
+            seq.num_computed_tokens = c
+            if register and c // ps > len(seq.page_hashes):       # a page filled: cache_full_pages' own test
+                kv.cache_full_pages(seq)
+            if c == seq.num_tokens:
+                seq.num_tokens = c + 1                            # append_token, inlined
+                seq.num_output += 1
                 if seq.first_token_time is None:
-                    seq.first_token_time = self.clock
-                if seq.num_output >= seq.params.max_tokens or seq.num_tokens >= seq.max_len:
+                    seq.first_token_time = clock
+                if c + 1 >= seq.max_len:      # max_len = min(prompt + max_tokens, the pool's cap): the stop rule
                     self.scheduler.finish(seq, "length")
-                    seq.finish_time = self.clock
+                    seq.finish_time = clock
+                    finished.append(seq)
                     if bus.wants(RequestFinished):
-                        bus.emit(RequestFinished(step, int(self.clock * 1e9), seq.request_id, "length",
+                        bus.emit(RequestFinished(step, int(clock * 1e9), seq.request_id, "length",
                                                  seq.prompt_len, seq.num_output, seq.num_preemptions,
                                                  seq.first_token_time - seq.arrival_time,
-                                                 seq.finish_time - seq.arrival_time))
+                                                 clock - seq.arrival_time))
                 produced.append(seq)
+        self.last_finished = finished
         if bus.wants(StepFinished):
-            q_pre = sum(n for _, n in sched.scheduled if n > 1)
-            bus.emit(StepFinished(step, int(self.clock * 1e9), int(dt * 1e9), n_tok, len(sched.scheduled),
-                                  q_pre, n_tok - q_pre, 0, 0, 0, self.pool.num_used, self.pool.num_cached_free,
-                                  len(self.scheduler.running), len(self.scheduler.waiting),
-                                  self.scheduler.num_preemptions))
+            q_pre = n_tok - q.count(1)
+            pool, sc = self.pool, self.scheduler
+            bus.emit(StepFinished(step, int(clock * 1e9), int(dt * 1e9), n_tok, len(scheduled),
+                                  q_pre, n_tok - q_pre, 0, 0, 0, pool.num_used, pool.num_cached_free,
+                                  len(sc.running), len(sc.waiting), sc.num_preemptions))
         return produced
 
     def stats(self) -> dict:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..events import PagesAllocated, PagesEvicted, PagesFreed, PagesShared
+from ..engine.pages import POOL_EVENTS
+from ..events import PagesAllocated, PagesEvicted, PagesFreed, PagesRegistered, PagesShared
 
 FREE, CACHED, OWNED, SHARED = 0, 1, 2, 3
 STATE_NAMES = ("free", "cached", "owned", "shared")
@@ -75,44 +76,57 @@ class PoolState:
         return st
 
 
-def _apply(st: PoolState, kind: str, pages, rid, cached, still) -> None:
-    if kind == "allocated":
-        for p in pages:
-            st.ref[p], st.owner[p], st.cached[p] = 1, rid, False
+def _allocated(st: PoolState, pages, rid, cached, still) -> None:
+    for p in pages:
+        st.ref[p], st.owner[p], st.cached[p] = 1, rid, False
+        st.shared_owners.pop(p, None)
+
+
+def _shared(st: PoolState, pages, rid, cached, still) -> None:
+    for p in pages:
+        st.ref[p] += 1
+        if st.ref[p] == 1:                       # revived from the cached-free list
+            st.owner[p], st.cached[p] = rid, False
+        else:
+            st.shared_owners[p] = st.shared_owners.get(p, (int(st.owner[p]),)) + (rid,)
+
+
+def _freed(st: PoolState, pages, rid, cached, still) -> None:
+    keep = set(cached)
+    for p in pages:
+        st.ref[p], st.owner[p], st.cached[p] = 0, -1, p in keep
+        st.shared_owners.pop(p, None)
+    for p in still:
+        st.ref[p] -= 1
+        owners = list(st.shared_owners.get(p, (int(st.owner[p]),)))
+        if rid in owners:
+            owners.remove(rid)
+        st.owner[p] = owners[0] if owners else -1
+        if len(owners) > 1:
+            st.shared_owners[p] = tuple(owners)
+        else:
             st.shared_owners.pop(p, None)
-    elif kind == "shared":
-        for p in pages:
-            st.ref[p] += 1
-            if st.ref[p] == 1:                       # revived from the cached-free list
-                st.owner[p], st.cached[p] = rid, False
-            else:
-                st.shared_owners[p] = st.shared_owners.get(p, (int(st.owner[p]),)) + (rid,)
-    elif kind == "freed":
-        keep = set(cached)
-        for p in pages:
-            st.ref[p], st.owner[p], st.cached[p] = 0, -1, p in keep
-            st.shared_owners.pop(p, None)
-        for p in still:
-            st.ref[p] -= 1
-            owners = list(st.shared_owners.get(p, (int(st.owner[p]),)))
-            if rid in owners:
-                owners.remove(rid)
-            st.owner[p] = owners[0] if owners else -1
-            if len(owners) > 1:
-                st.shared_owners[p] = tuple(owners)
-            else:
-                st.shared_owners.pop(p, None)
-    else:                                            # evicted: the prefix hash is gone
-        for p in pages:
-            st.cached[p] = False
+
+
+def _evicted(st: PoolState, pages, rid, cached, still) -> None:   # the prefix hash is gone
+    for p in pages:
+        st.cached[p] = False
+
+
+# How each of the pool's events (pages.POOL_EVENTS, the types the pool reports) changes the
+# state; PagesRegistered changes no refcount, owner or free flag.
+APPLY = {PagesAllocated: _allocated, PagesShared: _shared, PagesFreed: _freed, PagesEvicted: _evicted,
+         PagesRegistered: None}
+assert set(APPLY) == set(POOL_EVENTS), "a pool event type time travel does not know"
 
 
 class TimeTravel:
     def __init__(self, log, num_pages: int, keyframe_every: int | None = None):
         self.num_pages = num_pages
         cols = []
-        for et, kind in ((PagesAllocated, "allocated"), (PagesShared, "shared"), (PagesFreed, "freed"),
-                         (PagesEvicted, "evicted")):
+        for et, fn in APPLY.items():
+            if fn is None:
+                continue
             df = log.frame(et)
             if df.empty:
                 continue
@@ -120,7 +134,7 @@ class TimeTravel:
             rid = df["request_id"].tolist() if "request_id" in df else [None] * n
             cached = df["cached"].tolist() if "cached" in df else [()] * n
             still = df["still_shared"].tolist() if "still_shared" in df else [()] * n
-            cols.extend(zip(df["seq"].tolist(), df["step"].tolist(), [kind] * n, df["pages"].tolist(),
+            cols.extend(zip(df["seq"].tolist(), df["step"].tolist(), [fn] * n, df["pages"].tolist(),
                             rid, cached, still))
         cols.sort(key=lambda r: r[0])
         self.events = cols
@@ -134,7 +148,8 @@ class TimeTravel:
         i = 0
         for k in range(0, last + 1, self.keyframe_every):
             while i < len(cols) and cols[i][1] <= k:
-                _apply(st, *cols[i][2:])
+                e = cols[i]
+                e[2](st, *e[3:])
                 i += 1
             snap = st.copy()
             snap.step = k
@@ -151,8 +166,8 @@ class TimeTravel:
         st = self._keyframes[k].copy()
         i = self._key_index[k]
         end = bisect.bisect_right(self.steps, step)
-        for j in range(i, end):
-            _apply(st, *self.events[j][2:])
+        for e in self.events[i:end]:
+            e[2](st, *e[3:])
         st.step = step
         return st
 
