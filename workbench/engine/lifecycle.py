@@ -7,10 +7,15 @@ them.
 """
 from __future__ import annotations
 
+import operator
+
 from ..events import (BatchPacked, EventBus, RequestAdmitted, RequestFinished, RequestPreempted,
                       StepFinished)
 from .kv_manager import pages_for
 from .outputs import RequestRejected
+
+_request_id = operator.attrgetter("request_id")
+_computed = operator.attrgetter("num_computed_tokens")
 
 
 def check_prompt_len(n: int, max_model_len: int, num_pages: int, page_size: int) -> None:
@@ -57,12 +62,13 @@ def emit_schedule(bus: EventBus, step: int, t_ns: int, sched) -> None:
 def emit_packed(bus: EventBus, step: int, t_ns: int, sched, batch=None) -> None:
     """BatchPacked with the lengths of the scheduler's decision and the sequences' own state
     (not the builder's copies: a probe then checks the packed tensors against what was meant)."""
-    q = [n for _, n in sched.scheduled]
+    seqs, q = zip(*sched.scheduled) if sched.scheduled else ((), ())
     tensors = () if batch is None else (batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping,
                                         batch.max_seqlen_q, batch.max_seqlen_k)
-    bus.emit(BatchPacked(step, t_ns, tuple(s.request_id for s, _ in sched.scheduled), tuple(q),
-                         tuple(s.num_computed_tokens + n for s, n in sched.scheduled), sum(q),
-                         sum(1 for n in q if n > 1), sum(1 for n in q if n == 1), *tensors))
+    n_decode = q.count(1)            # map/zip, not generators: the simulator emits this every step
+    bus.emit(BatchPacked(step, t_ns, tuple(map(_request_id, seqs)), q,
+                         tuple(map(operator.add, map(_computed, seqs), q)), sum(q),
+                         len(q) - n_decode - q.count(0), n_decode, *tensors))
 
 
 def emit_finished(bus: EventBus, step: int, t_ns: int, seq) -> None:

@@ -8,16 +8,14 @@ is the same as a full replay of the same schedule.
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 
+from ..engine import lifecycle
 from ..engine.config import EngineConfig
 from ..engine.instrumentation import pool_observer, wants_pool_events
-from ..engine.kv_manager import KVCacheManager, pages_for
-from ..engine.pages import PagePool
-from ..engine.scheduler import Scheduler
 from ..engine.sequence import SamplingParams, Sequence
-from ..events import (BatchPacked, EventBus, RequestAdmitted, RequestArrived, RequestFinished, RequestPreempted, StepFinished)
+from ..engine.stack import build_stack
+from ..events import BatchPacked, EventBus, RequestArrived, StepFinished
 
 
 @dataclass
@@ -46,10 +44,6 @@ def _offsets(block: int, ps: int) -> tuple[int, ...]:
     return tuple(range(0, block, ps))
 
 
-_request_id = operator.attrgetter("request_id")
-_computed = operator.attrgetter("num_computed_tokens")
-
-
 class SimSequence(Sequence):
     # Plain attributes here (properties on Sequence): the scheduler reads them every step.
     num_tokens = 0
@@ -64,6 +58,10 @@ class SimSequence(Sequence):
         self.hash_ids = hash_ids
         self.block = hash_block_size or 0
         self.num_output = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_output
 
     def append_token(self, token_id: int = 0) -> None:
         self.num_tokens += 1
@@ -103,10 +101,9 @@ class Simulator:
             raise ValueError("simulate mode needs EngineConfig(num_pages=...): a KV byte budget needs a model")
         self.config = config
         self.cost = cost or StepCost()
-        self.pool = PagePool(config.num_pages, config.page_size, config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.watermark)
+        # The engine's own pool, KV manager and scheduler (engine/stack.py), without tensors.
+        self.stack = build_stack(config, config.num_pages)
+        self.pool, self.kv_manager, self.scheduler = self.stack.pool, self.stack.kv_manager, self.stack.scheduler
         self.max_model_len = config.max_model_len or (1 << 31)
         self.bus = bus or EventBus()
         self.step_count = 0
@@ -125,19 +122,13 @@ class Simulator:
 
     def add_request(self, prompt_len: int, max_tokens: int, hash_ids=None, hash_block_size=None,
                     request_id=None) -> int:
-        ps = self.config.page_size
-        if prompt_len < 1:
-            raise ValueError("the prompt is empty")
-        if pages_for(prompt_len + 1, ps) > self.pool.num_pages:
-            raise ValueError(f"prompt of {prompt_len} tokens needs {pages_for(prompt_len + 1, ps)} pages, "
-                             f"more than the whole pool ({self.pool.num_pages} pages)")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt of {prompt_len} tokens does not fit max_model_len {self.max_model_len}")
+        ps, n = self.config.page_size, self.pool.num_pages
+        lifecycle.check_prompt_len(prompt_len, self.max_model_len, n, ps)      # RequestRejected, a ValueError
         rid = self._next_id
         self._next_id += 1
-        cap = min(self.max_model_len, self.pool.num_pages * ps)
         seq = SimSequence(rid, prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          min(cap, prompt_len + max_tokens), hash_ids, hash_block_size, request_id, self.clock)
+                          lifecycle.max_len(prompt_len, max_tokens, self.max_model_len, n, ps), hash_ids,
+                          hash_block_size, request_id, self.clock)
         self.scheduler.add(seq)
         if self.bus.wants(RequestArrived):
             self.bus.emit(RequestArrived(self.step_count, int(self.clock * 1e9), rid, prompt_len, max_tokens))
@@ -153,20 +144,11 @@ class Simulator:
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
         t = int(self.clock * 1e9)
-        if sched.preempted and bus.wants(RequestPreempted):
-            for s in sched.preempted:
-                bus.emit(RequestPreempted(step, t, s.request_id, *s.last_preemption))
-        if sched.admitted and bus.wants(RequestAdmitted):
-            for s in sched.admitted:
-                bus.emit(RequestAdmitted(step, t, s.request_id, s.num_cached_tokens, len(s.pages)))
-        seqs, q = zip(*scheduled) if scheduled else ((), ())
-        n_tok = sum(q)
+        lifecycle.emit_schedule(bus, step, t, sched)
+        n_tok = sched.num_tokens
         self.last_num_tokens = n_tok
         if scheduled and bus.wants(BatchPacked):
-            n_decode = q.count(1)
-            bus.emit(BatchPacked(step, t, tuple(map(_request_id, seqs)), q,
-                                 tuple(map(operator.add, map(_computed, seqs), q)), n_tok,
-                                 len(q) - n_decode - q.count(0), n_decode))
+            lifecycle.emit_packed(bus, step, t, sched)
         dt = self.cost(n_tok) if scheduled else 0.0
         self.clock += dt
         clock = self.clock
@@ -183,31 +165,17 @@ class Simulator:
                 seq.num_output += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = clock
-                if c + 1 >= seq.max_len:      # max_len = min(prompt + max_tokens, the pool's cap): the stop rule
-                    self.scheduler.finish(seq, "length")
+                reason = lifecycle.stop_reason(seq, None)      # no token ids here: the length rule
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
                     seq.finish_time = clock
                     finished.append(seq)
-                    if bus.wants(RequestFinished):
-                        bus.emit(RequestFinished(step, int(clock * 1e9), seq.request_id, "length",
-                                                 seq.prompt_len, seq.num_output, seq.num_preemptions,
-                                                 seq.first_token_time - seq.arrival_time,
-                                                 clock - seq.arrival_time))
+                    lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)
                 produced.append(seq)
         self.last_finished = finished
         if bus.wants(StepFinished):
-            q_pre = n_tok - q.count(1)
-            pool, sc = self.pool, self.scheduler
-            bus.emit(StepFinished(step, int(clock * 1e9), int(dt * 1e9), n_tok, len(scheduled),
-                                  q_pre, n_tok - q_pre, 0, 0, 0, pool.num_used, pool.num_cached_free,
-                                  len(sc.running), len(sc.waiting), sc.num_preemptions))
+            lifecycle.emit_step(bus, step, int(clock * 1e9), int(dt * 1e9), sched, self.pool, self.scheduler)
         return produced
 
     def stats(self) -> dict:
-        pool = self.pool
-        return {"pages_total": pool.num_pages, "pages_used": pool.num_used, "pages_cached": pool.num_cached_free,
-                "pages_free": pool.num_free, "kv_cache_usage": pool.usage(),
-                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.kv_manager.prefix_cache_queries,
-                "prefix_cache_hits": self.kv_manager.prefix_cache_hits,
-                "num_evictions": pool.num_evictions, "steps": self.step_count}
+        return lifecycle.stats(self.pool, self.scheduler, self.kv_manager, self.step_count)
