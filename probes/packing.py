@@ -94,19 +94,21 @@ def batch_reference(engine, batch) -> tuple[PackingReference, list[Mismatch]]:
     return ref, extra
 
 
-class _Tap:
-    """Model-hook tap: fn(batch) at layer 0 before attention, plan_fn after it."""
+class FirstLayerTap:
+    """Model-hook tap: fn(batch) once per forward at layer 0 before attention (the tables and
+    index tensors are bound, no page read yet), after_fn(batch) once layer 0's attention ran
+    (the backend's plan exists)."""
 
-    def __init__(self, fn, plan_fn):
-        self.fn, self.plan_fn = fn, plan_fn
+    def __init__(self, fn, after_fn=None):
+        self.fn, self.after_fn = fn, after_fn
 
     def on_kv(self, layer, k, v, batch) -> None:
         if layer == 0:
             self.fn(batch)
 
     def on_attention_out(self, layer, o, batch) -> None:
-        if layer == 0:
-            self.plan_fn(batch)
+        if layer == 0 and self.after_fn is not None:
+            self.after_fn(batch)
 
     def on_hidden(self, layer, h, batch) -> None:
         pass
@@ -125,7 +127,7 @@ class PackingProbe(Probe):
         self._pending = None          # (batch, reference) of the forward in flight, for the post-step check
 
     def on_attach(self, engine) -> None:
-        self._tap = _Tap(self.guard(self.check_batch), self.guard(self.check_plan))
+        self._tap = FirstLayerTap(self.guard(self.check_batch), self.guard(self.check_plan))
         instrumentation.add_tap(engine, self._tap)
         self.listen(StepFinished, self.on_step)
 

@@ -36,7 +36,7 @@ from workbench.events import AttentionRead, PagesFreed, StepFinished
 from workbench.probe import Probe
 
 from . import invariants
-from .packing import batch_reference
+from .packing import FirstLayerTap, batch_reference
 
 HINT_RANGE = ("kernels (Ascend paged attention, flash_attn_with_kvcache) do not validate block ids: find "
               "who wrote this row (a table sized for another pool, an unmasked padding id, an id from "
@@ -60,20 +60,6 @@ HINT_REUSED = ("the page was handed out again while this request still reads it:
 MAX_PER_CHECK = 8          # findings one check may add (a broken table can have thousands of bad ids)
 
 
-class _TableTap:
-    """A model-hook tap: calls fn(batch) once per forward, at layer 0 before attention."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def on_kv(self, layer, k, v, batch) -> None:
-        if layer == 0:
-            self.fn(batch)
-
-    def on_hidden(self, layer, h, batch) -> None:
-        pass
-
-
 class PageTableProbe(Probe):
     name = "page_table"
     description = "block-table bounds, stale binding, zero rows; pool scan: free-while-mapped, refcount, reuse"
@@ -83,7 +69,7 @@ class PageTableProbe(Probe):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         self.every, self.max_rows = every, max_rows
-        self._tap = _TableTap(self.guard(self.check_table))
+        self._tap = FirstLayerTap(self.guard(self.check_table))
         self._batch = None           # the batch of the forward in flight, and the table it reads
         self._read: np.ndarray | None = None
         self._stale_step = None
