@@ -12,8 +12,8 @@ kv_cache_dtype="fp16_scaled" stores the same values with a scale per page and an
 like float32.
 
 The layer's fused Linear objects are swapped (their weights may be oneDNN-prepacked)
-and put back on exit. While on, completed pages are not registered in the prefix
-cache (their K/V belong to the rescaled layer); on exit the layer's cache is scrubbed
+and put back on exit. Pages registered in the prefix cache while it was on leave the
+cache on exit (their K/V belong to the rescaled layer); the layer's cache is scrubbed
 of inf/NaN, which attention would otherwise pick up from masked slots of reused pages.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from ..engine.linear import Linear
 from ..engine.model import rms_norm
-from .base import Fault
+from .base import Fault, forget_cached_since
 
 FP16_MAX = 65504.0
 
@@ -80,10 +80,12 @@ class FP16KVOverflow(Fault):
         wo = (dense_weight(L.o).float() / f).to(L.o.dtype)
         self.patch(L, "qkv", Linear(w.contiguous(), b))
         self.patch(L, "o", Linear(wo.contiguous(), L.o.bias))
-        # Pages computed now hold the rescaled layer's K/V: keep them out of the prefix cache.
-        self.patch(eng.pool, "register", lambda *a, **kw: None)
+        # Pages computed now hold the rescaled layer's K/V: they leave the prefix cache on disable.
+        self._cached_before = dict(eng.pool.cached)
 
     def on_disable(self) -> None:
+        # K/V computed while the fault was on belongs to the rescaled layer: out of the prefix cache.
+        self.forgotten = forget_cached_since(self.engine.pool, self._cached_before)
         kv = self.engine.kv
         for t in (kv.k[self.layer], kv.v[self.layer]):
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
