@@ -243,11 +243,13 @@ class Engine:
             if self.bus.wants(RequestRejectedEvent):
                 self.bus.emit(RequestRejectedEvent(self.step_count, now_ns(), rid, n, why))
         aborted = []
-        while True:
+        # What was queued when the step began, no more: submitters that keep the inbox full
+        # (a storm of add + abort) must not keep the step draining forever.
+        for _ in range(self._inbox.qsize()):
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return aborted
+                break
             if kind == "add":
                 self._seqs[item.request_id] = item
                 self.scheduler.add(item)
@@ -257,12 +259,18 @@ class Engine:
             else:
                 seq = self._seqs.pop(item, None)
                 if seq is not None:
-                    with self.lock:             # frees its pages: the step's lock, in both modes
-                        self.scheduler.finish(seq, "abort")
-                    seq.finish_time = time.perf_counter()
-                    self._publish_stats()       # sharded: stats() shows the abort before the step ends
-                    lifecycle.emit_finished(self.bus, self.step_count, now_ns(), seq)
-                    aborted.append(self._output(seq))
+                    aborted.append(seq)
+        if not aborted:
+            return []
+        with self.lock:                         # frees their pages: the step's lock, in both modes, once
+            for seq in aborted:
+                self.scheduler.finish(seq, "abort")
+        now = time.perf_counter()
+        self._publish_stats()                   # sharded: stats() shows the aborts before the step ends
+        for seq in aborted:
+            seq.finish_time = now
+            lifecycle.emit_finished(self.bus, self.step_count, now_ns(), seq)
+        return [self._output(seq) for seq in aborted]
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter_ns()
