@@ -208,14 +208,15 @@ class PageTableProbe(Probe):
                         dedup=("stale-binding", e.step), step=e.step, evidence=ev)
             return
         ev["batch_version"] = batch.block_tables_version
-        ps = batch.page_size
-        need = -(-batch.context_lens_np.astype(np.int64) // ps)
+        # The table the sequences mean: the reference check_table built for this batch, padded to
+        # the width read.
+        ref, _ = batch_reference(self.engine, batch)
+        need = ref.need
         meant = np.zeros_like(a)
-        for i, s in enumerate(batch.seqs):
-            k = min(int(need[i]), len(s.pages), a.shape[1])
-            meant[i, :k] = s.pages[:k]
+        w = min(a.shape[1], ref.table.shape[1])
+        meant[:, :w] = ref.table[:, :w]
         cols = np.arange(a.shape[1])[None, :] < need[:, None]
-        reads = batch.context_lens_np > batch.query_lens_np
+        reads = ref.context_lens > ref.q_lens
         wrong = (a != meant) & cols & reads[:, None]
         ev["checksum_rows_read"] = zlib.crc32(a.astype(np.int32).tobytes())
         ev["checksum_rows_meant"] = zlib.crc32(meant.astype(np.int32).tobytes())
