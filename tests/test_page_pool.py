@@ -46,7 +46,7 @@ class PoolMachine(RuleBasedStateMachine):
         toks = PREFIXES[prefix] + tail
         seq = Sequence(self.next_id, toks, SamplingParams(), max_len=10_000)
         self.next_id += 1
-        n = self.kv.try_admit(seq, lambda cached: min(len(toks) - cached, chunk))
+        n = self.kv.try_admit(seq, chunk)
         if n == 0:
             assert seq.pages == []
             return

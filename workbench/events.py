@@ -244,11 +244,19 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
     if isinstance(v, tuple):
-        return list(v)
+        return v
     return str(v)
 
 
 _PLAIN_TYPES = frozenset({int, float, str, bool, type(None)})    # _plain(v) is v: the common case, one lookup
+_KEPT_TYPES = _PLAIN_TYPES | {tuple}
+_PLAIN_NAMES = frozenset({"int", "float", "str", "bool", "None", "tuple"})
+
+
+def _plain_annotation(annotation) -> bool:
+    """A field declared int, float, str, bool, None or tuple (or a union of them)."""
+    names = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return all(part.strip() in _PLAIN_NAMES for part in str(names).split("|"))
 
 
 class EventLog:
@@ -257,22 +265,32 @@ class EventLog:
     When a type's table passes max_rows, its oldest half goes to a Parquet file in
     spill_dir (or is dropped and counted, without one). frame() reads spills back,
     so the past stays whole as long as it was spilled. max_rows=None: unbounded.
+
+    record() is the hot path of a replay (a million events): it keeps each event's
+    values as one row tuple; `tables` turns the rows into columns when read (one
+    transposition per type in C), so a row costs an append, not an append per field.
     """
 
     def __init__(self, bus: EventBus | None = None, types: Iterable[type] = EVENT_TYPES,
                  max_rows: int | None = 1_000_000, spill_dir: str | None = None):
         self.max_rows = max_rows
         self.spill_dir = spill_dir
-        self.tables: dict[type, dict[str, list]] = {}
+        self._tables: dict[type, dict[str, list]] = {}
         self.spilled: dict[type, list[str]] = {}
         self.dropped = 0
         self.seq = 0                      # global order across types
         import threading
-        self._lock = threading.Lock()     # lock events arrive from other threads
+        self._lock = threading.RLock()    # lock events arrive from other threads; readers hold it over `tables`
         self._types = tuple(types)
         self._fields = {t: [f.name for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS]
                         for t in self._types}
-        self._recorders: dict[type, tuple] = {}
+        # Types whose every kept field is declared a plain value or a tuple of them keep rows as
+        # they come (immutable, converted when read); the others convert each value on arrival,
+        # so a mutable object cannot change in the log after the event.
+        self._deferred = {t for t in self._types
+                          if all(_plain_annotation(f.type) for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS)}
+        self._pending: dict[type, tuple] = {}      # type -> (seqs, rows, getter)
+        self._counts: dict[type, int] = {}         # rows held in memory per type (columns + pending)
         self.bus = None
         if bus is not None:
             self.attach(bus)
@@ -287,31 +305,64 @@ class EventLog:
             self.bus = None
 
     def record(self, e: Event) -> None:
-        # The hot path of a replay (a million events): per type, the columns' bound appends and
-        # one attrgetter for all fields are made once; each value is stored as _plain(value).
         t = type(e)
-        plain = _PLAIN_TYPES
         with self._lock:
-            rec = self._recorders.get(t)
-            if rec is None or self.tables.get(t) is not rec[0]:
-                rec = self._new_table(t)
-            cols, seq_append, appends, get = rec
-            seq_append(self.seq)
+            pend = self._pending.get(t)
+            if pend is None:
+                pend = self._new_pending(t)
+            pend[0].append(self.seq)
             self.seq += 1
-            for append, v in zip(appends, get(e)):
-                vt = type(v)
-                append(v if vt in plain else list(v) if vt is tuple else _plain(v))
-            if self.max_rows is not None and len(cols["seq"]) > self.max_rows:
-                self._spill(t, cols)
+            pend[1].append(pend[2](e))
+            n = self._counts[t] = self._counts[t] + 1
+            if self.max_rows is not None and n > self.max_rows:
+                self._spill(t, self._flush(t))
 
-    def _new_table(self, t: type) -> tuple:
+    def _new_pending(self, t: type) -> tuple:
         fields = self._fields[t]
-        cols = self.tables.get(t)
-        if cols is None:
-            cols = self.tables[t] = {"seq": [], **{f: [] for f in fields}}
         get = operator.attrgetter(*fields) if len(fields) > 1 else (lambda e, _f=fields[0]: (getattr(e, _f),))
-        rec = self._recorders[t] = (cols, cols["seq"].append, tuple(cols[f].append for f in fields), get)
-        return rec
+        if t not in self._deferred:
+            get = (lambda e, _g=get: tuple(map(_plain, _g(e))))
+        self._counts.setdefault(t, 0)
+        pend = self._pending[t] = ([], [], get)
+        return pend
+
+    def _flush(self, t: type) -> dict[str, list]:
+        """Move t's pending rows into its columns; returns the columns."""
+        fields = self._fields[t]
+        cols = self._tables.get(t)
+        if cols is None:
+            cols = self._tables[t] = {"seq": [], **{f: [] for f in fields}}
+        pend = self._pending.get(t)
+        if pend is not None and pend[0]:
+            seqs, rows, _ = pend
+            cols["seq"].extend(seqs)
+            for f, values in zip(fields, zip(*rows)):
+                if set(map(type, values)) <= _KEPT_TYPES:       # the common case: kept as they came
+                    cols[f].extend(values)
+                else:
+                    cols[f].extend(map(_plain, values))
+            seqs.clear()
+            rows.clear()
+        return cols
+
+    @property
+    def tables(self) -> dict[type, dict[str, list]]:
+        """One dict of columns per event type ("seq" and the event's fields, plain values and tuples)."""
+        with self._lock:
+            todo = [t for t, pend in self._pending.items() if pend[0]]
+            if todo:
+                # A replay's million rows become millions of small lists at once; they make no
+                # cycles, and the cyclic collector would rescan them again and again meanwhile.
+                import gc
+                was_on = gc.isenabled()
+                gc.disable()
+                try:
+                    for t in todo:
+                        self._flush(t)
+                finally:
+                    if was_on:
+                        gc.enable()
+            return self._tables
 
     def _spill(self, t: type, cols: dict[str, list]) -> None:
         half = len(cols["seq"]) // 2
@@ -326,9 +377,10 @@ class EventLog:
             self.dropped += half
         for k in cols:
             del cols[k][:half]
+        self._counts[t] = len(cols["seq"])
 
     def __len__(self) -> int:
-        return sum(len(c["seq"]) for c in self.tables.values())
+        return sum(self._counts.values())
 
     def frame(self, etype: type | str | None = None):
         """A pandas DataFrame of one event type, or of all (columns: seq, event, step, t_ns, ...)."""

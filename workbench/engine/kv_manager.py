@@ -46,19 +46,27 @@ class KVCacheManager:
             memo.extend(hash_chain(memo[-1][0] if memo else None, seq.page_keys(j, i + 1, self.page_size)))
         return memo[i]
 
-    def try_admit(self, seq: Sequence, num_new_tokens_fn, reserve_pages: int = 0) -> int:
-        """Map seq's cached prefix and allocate pages for its first chunk.
+    def try_admit(self, seq: Sequence, budget: int, reserve_pages: int = 0) -> int:
+        """Map seq's cached prefix and allocate pages for its first chunk: the rest of its
+        tokens after the cached prefix, at most budget of them.
 
-        num_new_tokens_fn(num_cached) -> tokens to compute this step. Returns that number,
-        or 0 (and changes nothing) when the pool cannot hold it plus reserve_pages.
+        Returns the number of tokens to compute this step, or 0 (and changes nothing) when
+        the pool cannot hold them plus reserve_pages.
         """
+        pool, ps, total = self.pool, self.page_size, seq.num_tokens
+        # The best case first, without walking the prefix cache: every full page before the
+        # last token is a hit (h_max of them). The pages needed only shrink as hits grow, so if
+        # even that does not fit, nothing does; a head-of-line request waiting for a full pool is asked
+        # again every step, and this keeps that to a few integer operations.
+        h_max = (total - 1) // ps if self.enable_prefix_caching else 0
+        if pool.num_free < pages_for(min(total, h_max * ps + budget), ps) - h_max + reserve_pages:
+            return 0
         hit_pages, hit_hashes = self.find_prefix(seq)
-        num_cached = len(hit_pages) * self.page_size
-        num_new = num_new_tokens_fn(num_cached)
+        num_cached = len(hit_pages) * ps
+        num_new = min(total - num_cached, budget)
         if num_new <= 0:
             return 0
-        pool = self.pool
-        need = pages_for(num_cached + num_new, self.page_size) - len(hit_pages)
+        need = pages_for(num_cached + num_new, ps) - len(hit_pages)
         revived = pool.count_free(hit_pages)                           # hits that leave the free queue
         if pool.num_free - revived < need + reserve_pages:
             return 0

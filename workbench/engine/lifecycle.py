@@ -44,9 +44,16 @@ def stop_reason(seq, tok: int | None, eos_token_ids=frozenset()) -> str | None:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
-    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_len:
+    if seq.num_tokens >= length_limit(seq):
         return "length"
     return None
+
+
+def length_limit(seq) -> int:
+    """The length rule as a token count: seq stops when num_tokens reaches this (max_tokens
+    outputs after its prompt, or max_len, whichever comes first). Fixed for a sequence's life,
+    so the simulator computes it once per request."""
+    return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
 
 
 # ---- events -------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class PagePool:
         self.num_cached_free = 0                   # free pages that still carry a hash
         self.num_evictions = 0
         self.observer = None                       # observer(event_type, *fields): see the module doc
+        self._ids = list(range(n))                 # one int object per page id, shared by every list of pages
         self._ops = pool_ops.active()              # the per-page loops: compiled, or their Python reference
 
     # ---- free queue -------------------------------------------------------
@@ -125,16 +126,16 @@ class PagePool:
 
     def count_free(self, pages: Iterable[int]) -> int:
         """How many of these pages are on the free queue."""
-        return sum(map(self._is_free.__getitem__, pages))
+        return self._ops.count_free(self._is_free, pages if type(pages) is list else list(pages))
 
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: Owner) -> list[int]:
         """Hand out n pages to owner from the LRU head; a cached page handed out loses its hash."""
         if n > self.num_free:
             raise NoFreePages(f"asked for {n} pages, {self.num_free} free of {self.num_pages}")
-        pages, evicted, head = self._ops.take(self._next, self._prev, self._is_free, self.page_hash,
-                                              self.page_tokens, self.page_index, self.page_parent, self.generation,
-                                              self.ref, self.cached, self._head, n)
+        pages, gens, evicted, head = self._ops.take(self._next, self._prev, self._is_free, self.page_hash,
+                                                    self.page_tokens, self.page_index, self.page_parent,
+                                                    self.generation, self.ref, self.cached, self._ids, self._head, n)
         self._head = head
         if head == NIL:
             self._tail = NIL
@@ -146,8 +147,7 @@ class PagePool:
         if obs is not None:
             if evicted:
                 obs(PagesEvicted, tuple(evicted))
-            pages_t = tuple(pages)
-            obs(PagesAllocated, pages_t, tuple(map(self.generation.__getitem__, pages_t)), owner)
+            obs(PagesAllocated, tuple(pages), tuple(gens), owner)
         return pages
 
     def acquire(self, pages: list[int], owner: Owner) -> None:

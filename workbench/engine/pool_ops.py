@@ -6,14 +6,15 @@ arrays, lists and dict (the pool keeps one representation, which probes and view
 per-page integers in array.array('q') / ('b'), per-page objects in lists), written here in
 Python, the reference, and in C with the same arguments and results:
 
-    take(nxt, prv, is_free, page_hash, page_tokens, page_index, page_parent, generation, ref, cached, head, n)
-        -> (pages, evicted, head)                 n pages off the free queue's head
+    take(nxt, prv, is_free, page_hash, page_tokens, page_index, page_parent, generation, ref, cached, ids, head, n)
+        -> (pages, generations, evicted, head)    n pages off the free queue's head (ids[p]: page p's int)
     release(ref, nxt, prv, is_free, page_hash, pages, head, tail)
         -> (released, still, cached, head, tail, error)   one reference dropped per page
     register_chain(cached, page_hash, page_tokens, page_index, page_parent, pages, chain, index, parent)
         -> (entered, indices)                     consecutive pages entered in the prefix cache
     walk(memo, n, cached, page_tokens) -> (pages, hashes)   the longest cached prefix
     hash_chain(root, parent, blocks) -> [(hash, block), ...]  each hash((previous or root, block))
+    count_free(is_free, pages) -> int             how many of pages are on the free queue
 
 The C source is compiled once per machine with the interpreter's own compiler settings (~1 s)
 into $PAGEDKV_EXTENSIONS_DIR or ~/.cache/pagedkv-workbench/pool_ops, rebuilt when it changes.
@@ -43,8 +44,10 @@ SOURCE = Path(__file__).with_name("csrc") / "pool_ops.c"
 
 
 # ---- the reference: Python ------------------------------------------------------------------
-def take(nxt, prv, is_free, page_hash, tokens, index, parent, gen, ref, cached, head, n):
-    pages, evicted = [], []
+def take(nxt, prv, is_free, page_hash, tokens, index, parent, gen, ref, cached, ids, head, n):
+    # ids[p] is page p's int object: the pool's lists then share one object per page id
+    # instead of a new int per hand-out (millions in a replay)
+    pages, gens, evicted = [], [], []
     p = head
     for _ in range(n):
         if p == NIL:
@@ -56,7 +59,8 @@ def take(nxt, prv, is_free, page_hash, tokens, index, parent, gen, ref, cached, 
             evicted.append(p)
         gen[p] += 1
         ref[p] = 1
-        pages.append(p)
+        pages.append(ids[p])
+        gens.append(gen[p])
         p = q
     if p != NIL:
         prv[p] = NIL
@@ -66,7 +70,7 @@ def take(nxt, prv, is_free, page_hash, tokens, index, parent, gen, ref, cached, 
             del cached[h]
         page_hash[e] = tokens[e] = parent[e] = None
         index[e] = NIL
-    return pages, evicted, p
+    return pages, gens, evicted, p
 
 
 def release(ref, nxt, prv, is_free, page_hash, pages, head, tail):
@@ -122,6 +126,10 @@ def walk(memo, n, cached, tokens):
     return pages, hashes
 
 
+def count_free(is_free, pages):
+    return sum(map(is_free.__getitem__, pages))
+
+
 def hash_chain(root, parent, blocks):
     out = []
     h = root if parent is None else parent
@@ -132,7 +140,7 @@ def hash_chain(root, parent, blocks):
 
 
 PYTHON = SimpleNamespace(name="python", take=take, release=release, register_chain=register_chain, walk=walk,
-                         hash_chain=hash_chain)
+                         hash_chain=hash_chain, count_free=count_free)
 
 
 # ---- the compiled twin --------------------------------------------------------------------
@@ -176,7 +184,7 @@ def _load():
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return SimpleNamespace(name="compiled", take=mod.take, release=mod.release, register_chain=mod.register_chain,
-                           walk=mod.walk, hash_chain=mod.hash_chain)
+                           walk=mod.walk, hash_chain=mod.hash_chain, count_free=mod.count_free)
 
 
 def compiled():

@@ -8,11 +8,15 @@ are admitted strictly in order and only in steps with no preemption.
 """
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_manager import KVCacheManager
 from .sequence import Sequence, SeqStatus
+
+
+_second = operator.itemgetter(1)
 
 
 @dataclass
@@ -23,7 +27,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(map(_second, self.scheduled))
 
 
 class Scheduler:
@@ -47,28 +51,37 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        kv, running, append = self.kv, self.running, out.scheduled.append
+        ps = kv.page_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.grow(seq, n):
-                victim = self.running.pop()       # latest admitted goes first
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            break
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            c = seq.num_computed_tokens
+            n = min(seq.num_tokens - c, budget)
+            # kv.grow's own first test, inlined: most steps most sequences are decodes whose last
+            # page still has room (this loop runs once per running sequence and step)
+            if c + n > len(seq.pages) * ps:
+                while not kv.grow(seq, n):
+                    victim = running.pop()        # latest admitted goes first
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    append((seq, n))
+                    budget -= n
+                    i += 1
+                    continue
+                break
+            append((seq, n))
+            budget -= n
+            i += 1
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.watermark_pages if self.running else 0
-            n = self.kv.try_admit(seq, lambda cached: min(seq.num_tokens - cached, budget), reserve)
+            n = self.kv.try_admit(seq, budget, reserve)
             if n == 0:
                 break                              # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

@@ -40,8 +40,8 @@ class StepCost:
 
 
 @functools.lru_cache(maxsize=64)
-def _offsets(block: int, ps: int) -> tuple[int, ...]:
-    return tuple(range(0, block, ps))
+def _offsets(per: int) -> tuple[int, ...]:
+    return tuple(range(0, 2 * per, 2))
 
 
 class SimSequence(Sequence):
@@ -58,6 +58,7 @@ class SimSequence(Sequence):
         self.hash_ids = hash_ids
         self.block = hash_block_size or 0
         self.num_output = 0
+        self.stop_at = lifecycle.length_limit(self)       # the length rule, as a token count
 
     @property
     def num_output_tokens(self) -> int:
@@ -67,16 +68,24 @@ class SimSequence(Sequence):
         self.num_tokens += 1
         self.num_output += 1
 
-    def page_key(self, i: int, ps: int) -> tuple:
+    # What a page holds, as a key the prefix cache compares. A page inside one hash block is
+    # that block's id and the page's place in it, packed in one even int (id * per + place, a
+    # bijection for any int id); a page of unique content (past the hashed prompt) is an odd int
+    # made of the request and page index; a page straddling two blocks is a tuple. Ints, not
+    # tuples: a replay keeps millions of these alive, and an int is one small object.
+    def page_key(self, i: int, ps: int):
         start, end = i * ps, (i + 1) * ps
         if self.hash_ids and end <= self.prompt_len:
             b0, b1 = start // self.block, (end - 1) // self.block
             if b0 == b1:
+                if self.block % ps == 0:
+                    per = self.block // ps
+                    return 2 * (self.hash_ids[b0] * per + (start - b0 * self.block) // ps)
                 return (self.hash_ids[b0], start - b0 * self.block)
             return (self.hash_ids[b0], start - b0 * self.block, self.hash_ids[b1])
-        return (-1, self.request_id, i)          # nothing shared: unique content
+        return 2 * ((self.request_id << 32) | i) + 1          # nothing shared: unique content
 
-    def page_keys(self, start: int, stop: int, ps: int) -> list[tuple]:
+    def page_keys(self, start: int, stop: int, ps: int) -> list:
         """page_key for pages start..stop-1 in one go (a long prompt has thousands)."""
         shared = min(stop, self.prompt_len // ps) if self.hash_ids else 0     # pages inside the prompt
         ids, blk = self.hash_ids, self.block
@@ -84,12 +93,12 @@ class SimSequence(Sequence):
             keys = []
         elif blk % ps == 0:                      # no page straddles two hash blocks
             per = blk // ps
-            offs = _offsets(blk, ps)             # shared int objects: a trace's keys allocate only their tuples
-            keys = [(ids[i // per], offs[i % per]) for i in range(start, shared)]
+            step, offs = 2 * per, _offsets(per)
+            keys = [ids[i // per] * step + offs[i % per] for i in range(start, shared)]
         else:
             keys = [self.page_key(i, ps) for i in range(start, shared)]
-        rid = self.request_id
-        keys += [(-1, rid, i) for i in range(max(start, shared), stop)]
+        base = 2 * (self.request_id << 32) + 1
+        keys += range(base + 2 * max(start, shared), base + 2 * stop, 2)
         return keys
 
 
@@ -165,9 +174,8 @@ class Simulator:
                 seq.num_output += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = clock
-                reason = lifecycle.stop_reason(seq, None)      # no token ids here: the length rule
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
+                if c + 1 >= seq.stop_at:                          # no token ids here: the length rule only
+                    self.scheduler.finish(seq, "length")
                     seq.finish_time = clock
                     finished.append(seq)
                     lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)

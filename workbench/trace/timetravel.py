@@ -8,6 +8,7 @@ Like PyTorch's memory_viz: a timeline plus the pool state at any event, scrubbab
 from __future__ import annotations
 
 import bisect
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,10 +77,24 @@ class PoolState:
         return st
 
 
+# The appliers run once per pool event over a replay's millions of pages: whole page lists go
+# through numpy's fancy indexing, not a Python loop per page.
+def _index(pages) -> np.ndarray:
+    return np.asarray(pages, dtype=np.intp)
+
+
+def _forget_shared(st: PoolState, pages) -> None:
+    if st.shared_owners:
+        for p in st.shared_owners.keys() & set(pages):
+            del st.shared_owners[p]
+
+
 def _allocated(st: PoolState, pages, rid, cached, still) -> None:
-    for p in pages:
-        st.ref[p], st.owner[p], st.cached[p] = 1, rid, False
-        st.shared_owners.pop(p, None)
+    idx = _index(pages)
+    st.ref[idx] = 1
+    st.owner[idx] = rid
+    st.cached[idx] = False
+    _forget_shared(st, pages)
 
 
 def _shared(st: PoolState, pages, rid, cached, still) -> None:
@@ -92,10 +107,12 @@ def _shared(st: PoolState, pages, rid, cached, still) -> None:
 
 
 def _freed(st: PoolState, pages, rid, cached, still) -> None:
-    keep = set(cached)
-    for p in pages:
-        st.ref[p], st.owner[p], st.cached[p] = 0, -1, p in keep
-        st.shared_owners.pop(p, None)
+    idx = _index(pages)
+    st.ref[idx] = 0
+    st.owner[idx] = -1
+    st.cached[idx] = False
+    st.cached[_index(cached)] = True              # of the freed pages, those keeping their prefix hash
+    _forget_shared(st, pages)
     for p in still:
         st.ref[p] -= 1
         owners = list(st.shared_owners.get(p, (int(st.owner[p]),)))
@@ -109,8 +126,7 @@ def _freed(st: PoolState, pages, rid, cached, still) -> None:
 
 
 def _evicted(st: PoolState, pages, rid, cached, still) -> None:   # the prefix hash is gone
-    for p in pages:
-        st.cached[p] = False
+    st.cached[_index(pages)] = False
 
 
 # How each of the pool's events (pages.POOL_EVENTS, the types the pool reports) changes the
@@ -122,6 +138,17 @@ assert set(APPLY) == set(POOL_EVENTS), "a pool event type time travel does not k
 
 class TimeTravel:
     def __init__(self, log, num_pages: int, keyframe_every: int | None = None):
+        # Building makes a row per page event (a replay has hundreds of thousands) and no cycles:
+        # the cyclic collector is paused meanwhile instead of rescanning the log under it.
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._build(log, num_pages, keyframe_every)
+        finally:
+            if was_on:
+                gc.enable()
+
+    def _build(self, log, num_pages: int, keyframe_every: int | None) -> None:
         self.num_pages = num_pages
         cols = []
         for et, fn in APPLY.items():

@@ -52,26 +52,27 @@ static void let_go(buf_t *bufs, int k) {
         if (bufs[i].held) PyBuffer_Release(&bufs[i].v);
 }
 
-/* take(nxt, prv, is_free, page_hash, page_tokens, page_index, page_parent, generation, ref, cached, head, n)
- *   -> (pages, evicted, head) */
+/* take(nxt, prv, is_free, page_hash, page_tokens, page_index, page_parent, generation, ref, cached, ids, head, n)
+ *   -> (pages, generations, evicted, head); ids[p] is page p's int object (shared, never re-created) */
 static PyObject *take(PyObject *self, PyObject *args) {
-    PyObject *onxt, *oprv, *ofree, *ogen, *oref, *oindex, *L[3], *cached;
+    PyObject *onxt, *oprv, *ofree, *ogen, *oref, *oindex, *L[4], *cached;
     long head;
     Py_ssize_t k, n, nl;
-    if (!PyArg_ParseTuple(args, "OOOO!O!OO!OOO!ln", &onxt, &oprv, &ofree, &PyList_Type, &L[0], &PyList_Type,
-                          &L[1], &oindex, &PyList_Type, &L[2], &ogen, &oref, &PyDict_Type, &cached, &head, &k))
+    if (!PyArg_ParseTuple(args, "OOOO!O!OO!OOO!O!ln", &onxt, &oprv, &ofree, &PyList_Type, &L[0], &PyList_Type,
+                          &L[1], &oindex, &PyList_Type, &L[2], &ogen, &oref, &PyDict_Type, &cached, &PyList_Type,
+                          &L[3], &head, &k))
         return NULL;
     PyObject *page_hash = L[0], *tokens = L[1], *parent = L[2];
     buf_t B[6];
     memset(B, 0, sizeof B);
-    PyObject *pages = NULL, *evicted = NULL;
+    PyObject *pages = NULL, *gens = NULL, *evicted = NULL, *ids = L[3];
     if (hold(onxt, &B[0], 'q', "nxt") < 0 || hold(oprv, &B[1], 'q', "prv") < 0 ||
         hold(ofree, &B[2], 'b', "is_free") < 0 || hold(ogen, &B[3], 'q', "generation") < 0 ||
         hold(oref, &B[4], 'q', "ref") < 0 || hold(oindex, &B[5], 'q', "page_index") < 0)
         goto fail;
     n = B[0].v.len / 8;
     if (B[1].v.len / 8 != n || B[2].v.len != n || B[3].v.len / 8 != n || B[4].v.len / 8 != n ||
-        B[5].v.len / 8 != n || check_lists(L, 3, &nl) < 0 || nl != n) {
+        B[5].v.len / 8 != n || check_lists(L, 4, &nl) < 0 || nl != n) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "pool_ops: the pool's per-page arrays differ in length");
         goto fail;
     }
@@ -79,8 +80,9 @@ static PyObject *take(PyObject *self, PyObject *args) {
     signed char *is_free = B[2].v.buf;
     if (k < 0) k = 0;
     pages = PyList_New(k);
+    gens = PyList_New(k);
     evicted = PyList_New(0);
-    if (pages == NULL || evicted == NULL) goto fail;
+    if (pages == NULL || gens == NULL || evicted == NULL) goto fail;
     long long p = head;
     for (Py_ssize_t i = 0; i < k; i++) {
         if (p < 0 || p >= n) {
@@ -94,16 +96,38 @@ static PyObject *take(PyObject *self, PyObject *args) {
         }
         nxt[p] = prv[p] = -1;
         is_free[p] = 0;
-        PyObject *pobj = PyLong_FromLongLong(p);
-        if (pobj == NULL) goto fail;
-        PyList_SET_ITEM(pages, i, pobj);                       /* steals pobj */
+        PyObject *pobj = PyList_GET_ITEM(ids, p);
+        Py_INCREF(pobj);
+        PyList_SET_ITEM(pages, i, pobj);                       /* steals the new reference */
         if (PyList_GET_ITEM(page_hash, p) != Py_None && PyList_Append(evicted, pobj) < 0) goto fail;
         gen[p] += 1;
         ref[p] = 1;
+        PyObject *g = PyLong_FromLongLong(gen[p]);
+        if (g == NULL) goto fail;
+        PyList_SET_ITEM(gens, i, g);
         p = q;
     }
     if (p != -1) prv[p] = -1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(evicted); i++) {  /* a cached page handed out loses its hash */
+    Py_ssize_t nev = PyList_GET_SIZE(evicted);
+    for (Py_ssize_t i = 0; i < nev; i++) {  /* a cached page handed out loses its hash */
+        /* Evicted pages are scattered (LRU order): fetch the list slots 8 pages ahead and the
+         * objects they hold 4 ahead, so the cache misses overlap instead of queueing. */
+        if (i + 8 < nev) {
+            Py_ssize_t f = PyLong_AsSsize_t(PyList_GET_ITEM(evicted, i + 8));
+            if (f >= 0 && f < n) {
+                __builtin_prefetch(&PyList_GET_ITEM(page_hash, f));
+                __builtin_prefetch(&PyList_GET_ITEM(tokens, f));
+                __builtin_prefetch(&PyList_GET_ITEM(parent, f));
+            }
+        }
+        if (i + 4 < nev) {
+            Py_ssize_t f = PyLong_AsSsize_t(PyList_GET_ITEM(evicted, i + 4));
+            if (f >= 0 && f < n) {
+                __builtin_prefetch(PyList_GET_ITEM(page_hash, f));
+                __builtin_prefetch(PyList_GET_ITEM(tokens, f));
+                __builtin_prefetch(PyList_GET_ITEM(parent, f));
+            }
+        }
         PyObject *pobj = PyList_GET_ITEM(evicted, i);
         Py_ssize_t e = PyLong_AsSsize_t(pobj);
         PyObject *h = PyList_GET_ITEM(page_hash, e);
@@ -122,10 +146,11 @@ static PyObject *take(PyObject *self, PyObject *args) {
         index[e] = -1;
     }
     let_go(B, 6);
-    return Py_BuildValue("(NNL)", pages, evicted, p);
+    return Py_BuildValue("(NNNL)", pages, gens, evicted, p);
 fail:
     let_go(B, 6);
     Py_XDECREF(pages);
+    Py_XDECREF(gens);
     Py_XDECREF(evicted);
     return NULL;
 }
@@ -330,6 +355,35 @@ fail:
     return NULL;
 }
 
+/* hash((a, b)) exactly as CPython's tuplehash computes it (xxHash-style lanes, unchanged since
+ * 3.8), without building the pair: the test suite checks it against hash() on every run. */
+#if SIZEOF_VOID_P > 4
+#define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define XXROTATE(x) ((x << 31) | (x >> 33))
+#else
+#define XXPRIME_1 ((Py_uhash_t)2654435761UL)
+#define XXPRIME_2 ((Py_uhash_t)2246822519UL)
+#define XXPRIME_5 ((Py_uhash_t)374761393UL)
+#define XXROTATE(x) ((x << 13) | (x >> 19))
+#endif
+
+static Py_hash_t pair_hash(PyObject *a, PyObject *b) {
+    Py_uhash_t acc = XXPRIME_5;
+    PyObject *items[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        Py_uhash_t lane = PyObject_Hash(items[i]);
+        if (lane == (Py_uhash_t)-1) return -1;
+        acc += lane * XXPRIME_2;
+        acc = XXROTATE(acc);
+        acc *= XXPRIME_1;
+    }
+    acc += 2 ^ (XXPRIME_5 ^ 3527539UL);
+    if (acc == (Py_uhash_t)-1) return 1546275796;
+    return (Py_hash_t)acc;
+}
+
 /* hash_chain(root, parent, blocks) -> [(h, block), ...]: h = hash((parent or root, block)), chained */
 static PyObject *hash_chain(PyObject *self, PyObject *args) {
     PyObject *root, *parent, *blocks;
@@ -341,10 +395,7 @@ static PyObject *hash_chain(PyObject *self, PyObject *args) {
     Py_INCREF(h);
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *block = PyList_GET_ITEM(blocks, i);
-        PyObject *pair = PyTuple_Pack(2, h, block);
-        if (pair == NULL) goto fail;
-        Py_hash_t v = PyObject_Hash(pair);
-        Py_DECREF(pair);
+        Py_hash_t v = pair_hash(h, block);
         if (v == -1 && PyErr_Occurred()) goto fail;
         Py_DECREF(h);
         h = PyLong_FromSsize_t(v);
@@ -361,7 +412,31 @@ fail:
     return NULL;
 }
 
+/* count_free(is_free, pages) -> how many of pages are on the free queue (is_free[p] set) */
+static PyObject *count_free(PyObject *self, PyObject *args) {
+    PyObject *ofree, *pages;
+    if (!PyArg_ParseTuple(args, "OO!", &ofree, &PyList_Type, &pages)) return NULL;
+    buf_t B[1];
+    memset(B, 0, sizeof B);
+    if (hold(ofree, &B[0], 'b', "is_free") < 0) { let_go(B, 1); return NULL; }
+    signed char *is_free = B[0].v.buf;
+    Py_ssize_t n = B[0].v.len, count = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) {
+        Py_ssize_t p = PyNumber_AsSsize_t(PyList_GET_ITEM(pages, i), PyExc_IndexError);
+        if (p == -1 && PyErr_Occurred()) { let_go(B, 1); return NULL; }
+        if (p < 0 || p >= n) {
+            let_go(B, 1);
+            PyErr_SetString(PyExc_IndexError, "array index out of range");
+            return NULL;
+        }
+        count += is_free[p] != 0;
+    }
+    let_go(B, 1);
+    return PyLong_FromSsize_t(count);
+}
+
 static PyMethodDef methods[] = {
+    {"count_free", count_free, METH_VARARGS, "How many pages are free (see pool_ops.count_free)."},
     {"hash_chain", hash_chain, METH_VARARGS, "Chained page hashes (see pool_ops.hash_chain)."},
     {"take", take, METH_VARARGS, "Pop n pages off the free queue's head (see pool_ops.take)."},
     {"release", release, METH_VARARGS, "Drop one reference per page (see pool_ops.release)."},
