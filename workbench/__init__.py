@@ -1,10 +1,37 @@
-"""PagedKV Workbench: an instrumented paged-KV engine, its probes, faults, traces and views."""
-from .engine import ConfigError, Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+"""PagedKV Workbench: an instrumented paged-KV engine, its probes, faults, traces and views.
 
-from .findings import Finding
-from .probe import Probe
-from .workbench import Workbench
+The names below are imported on first use (PEP 562), not with the package: the vLLM plugin
+(workbench.adapters.vllm.plugin) is loaded inside vLLM's own environment, where only
+numpy, torch and ZMQ can be counted on, and must not pull in the engine's loaders or the views.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Engine", "EngineConfig", "Finding", "Probe", "RequestOutput", "RequestRejected",
-           "SamplingParams", "Workbench"]
+
+_EXPORTS = {
+    "ConfigError": "workbench.engine",
+    "Engine": "workbench.engine",
+    "EngineConfig": "workbench.engine",
+    "RequestOutput": "workbench.engine",
+    "RequestRejected": "workbench.engine",
+    "SamplingParams": "workbench.engine",
+    "Finding": "workbench.findings",
+    "Probe": "workbench.probe",
+    "Workbench": "workbench.workbench",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value                  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -6,8 +6,13 @@ sum(ceil(tokens / page_size)) over live sequences: nothing reserved for max_len
 """
 from __future__ import annotations
 
+import operator
+
 from .pages import PagePool, hash_chain
 from .sequence import Sequence
+
+
+_first = operator.itemgetter(0)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -116,7 +121,7 @@ class KVCacheManager:
         if len(memo) < num_full:
             self.chain(seq, num_full - 1)
         new = memo[done:num_full]
-        hashes.extend([h for h, _ in new])
+        hashes.extend(map(_first, new))
         entered, indices = self.pool.register_chain(seq.pages[done:num_full], new, done,
                                                     memo[done - 1][0] if done else None)
         if entered:
