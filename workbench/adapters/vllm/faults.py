@@ -1,0 +1,99 @@
+"""Faults planted in vLLM's own code paths, through the plugin's seams, for tests and notebooks.
+
+Each reproduces a production bug in the engine users run, where our checks must see it:
+
+  permuted_block_table_rows    the block table the kernel reads has rows 0 and 1 swapped (a
+                               condense / swap_states that moved one copy and not the other)
+  slot_mapping_off_at_boundary the first token of every block after the first writes to the
+                               slot one past the previous block's end (an off-by-one in the
+                               page index at a block boundary)
+  abort_keeps_blocks           an aborted request's blocks are never freed (an abort path that
+                               skips kv_cache_manager.free: the SGLang-style leak)
+
+Which are on is read from a JSON file, {"faults": [names]}, named by
+PAGEDKV_VLLM_FAULT_FILE; every vLLM process re-reads it when its mtime changes (checked at
+most every 0.2 s), so a test or a notebook switches a fault on and off while the server runs.
+Without the variable no seam does anything but return its input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+
+FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks")
+
+
+class FaultSwitch:
+    def __init__(self, path: str | None):
+        self.path = path
+        self.active: frozenset[str] = frozenset()
+        self._mtime = None
+        self._checked = 0.0
+        self.errors: list[str] = []
+
+    def on(self, name: str) -> bool:
+        if self.path is None:
+            return False
+        now = time.monotonic()
+        if now - self._checked > 0.2:
+            self._checked = now
+            self._reload()
+        return name in self.active
+
+    def _reload(self) -> None:
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            self.active = frozenset()
+            return
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            with open(self.path) as f:
+                names = json.load(f).get("faults", [])
+            unknown = [n for n in names if n not in FAULTS]
+            if unknown:
+                raise ValueError(f"unknown vLLM faults {unknown}; known: {', '.join(FAULTS)}")
+            self.active = frozenset(names)
+        except (OSError, ValueError, AttributeError) as e:
+            self.errors.append(f"{self.path}: {e}")
+            self.active = frozenset()
+
+
+def write_fault_file(path: str, *names: str) -> None:
+    """Switch exactly these faults on (none: all off), atomically, for every vLLM process."""
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown vLLM faults {unknown}; known: {', '.join(FAULTS)}")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"faults": list(names)}, f)
+    os.replace(tmp, path)
+
+
+# ---- the seams: each returns what vLLM goes on with -------------------------------------------
+def metadata(switch: FaultSwitch, cm, block_size: int):
+    """CommonAttentionMetadata as the kernel will get it."""
+    if switch.on("permuted_block_table_rows") and cm.num_reqs >= 2:
+        bt = cm.block_table_tensor.clone()
+        bt[[0, 1]] = bt[[1, 0]]
+        cm = replace(cm, block_table_tensor=bt)
+    if switch.on("slot_mapping_off_at_boundary") and cm.positions is not None:
+        t = cm.num_actual_tokens
+        pos = cm.positions[:t]
+        slot = cm.slot_mapping.clone()
+        edge = (pos % block_size == 0) & (pos > 0)
+        slot[:t][edge] += block_size            # one block on: the page index off by one at the boundary
+        cm = replace(cm, slot_mapping=slot)
+    return cm
+
+
+def skip_free(switch: FaultSwitch, request) -> bool:
+    """True when this request's blocks must not be freed (the abort leak)."""
+    if not switch.on("abort_keeps_blocks"):
+        return False
+    status = getattr(request, "status", None)
+    return status is not None and "ABORT" in getattr(status, "name", str(status))

@@ -1,0 +1,110 @@
+"""The workbench's end of the sanitizer stream: findings, pool snapshots and step times from vLLM.
+
+Binds a SUB socket on 127.0.0.1 (the plugin's processes connect to it) and reads in a
+daemon thread. A malformed message is recorded in `errors` and skipped; the last good
+pool snapshot stays. Nothing here raises into the caller once started.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from urllib.parse import urlparse
+
+import numpy as np
+
+from ...findings import SEVERITY_RANK, Finding
+from ...trace.timetravel import PoolState
+from .stream import decode
+
+MAX_ERRORS = 100
+
+
+def check_local_address(address: str, what: str) -> str:
+    """A tcp://127.0.0.1:PORT (or localhost, ::1) or ipc:// address; ValueError naming what is wrong."""
+    if address.startswith("ipc://"):
+        return address
+    u = urlparse(address)
+    if u.scheme != "tcp" or u.port is None:
+        raise ValueError(f"{what} {address!r}: give tcp://127.0.0.1:PORT (or ipc://PATH)")
+    if u.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"{what} {address!r}: the workbench binds only 127.0.0.1 (give tcp://127.0.0.1:{u.port})")
+    return f"tcp://127.0.0.1:{u.port}" if u.hostname == "localhost" else address
+
+
+class SanitizerListener:
+    def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100):
+        import zmq
+        self.address = check_local_address(address, "sanitizer address")
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as e:
+            self.sock.close(0)
+            raise ValueError(f"sanitizer address {self.address}: cannot bind ({e})") from None
+        self.poll_ms = poll_ms
+        self.lock = threading.Lock()
+        self.findings: list[Finding] = []
+        self.errors: list[str] = []
+        self.processes: list[dict] = []
+        self.steps: list[dict] = []           # one row per step header (step, t, step_s, check_s, ...)
+        self.names: dict[int, str] = {}       # owner index -> vLLM request id
+        self.pool: PoolState | None = None
+        self.messages = 0
+        self.last_message: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwb-vllm-sanitizer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+        while not self._stop.is_set():
+            try:
+                if not self.sock.poll(self.poll_ms):
+                    continue
+                frames = self.sock.recv_multipart()
+            except zmq.ZMQError as e:
+                if not self._stop.is_set():
+                    self._error(f"sanitizer socket: {e}")
+                return
+            try:
+                self._apply(*decode(frames))
+            except (ValueError, KeyError, TypeError) as e:
+                self._error(str(e))
+
+    def _apply(self, kind: str, header: dict, arrays: dict) -> None:
+        with self.lock:
+            self.messages += 1
+            self.last_message = time.time()
+            if kind == "hello":
+                self.processes.append(header)
+            elif kind == "finding":
+                sev = header.get("severity", "error")
+                if sev not in SEVERITY_RANK:
+                    raise ValueError(f"sanitizer finding with severity {sev!r}")
+                self.findings.append(Finding(
+                    probe=str(header.get("probe", "vllm")), severity=sev, message=str(header.get("message", "")),
+                    hint=str(header.get("hint", "")), kind=str(header.get("kind", "")), step=header.get("step"),
+                    request_id=header.get("request_id"), page=header.get("page"),
+                    evidence=dict(header.get("evidence") or {})))
+            elif kind == "error":
+                self._error(f"in vLLM: {header.get('message')}")
+            elif kind == "step":
+                self.names.update({int(k): v for k, v in (header.get("names") or {}).items()})
+                self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
+                                      arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
+                self.steps.append({k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks",
+                                                              "num_free", "running", "waiting", "hashed")})
+
+    def _error(self, msg: str) -> None:
+        if not self.errors or self.errors[-1] != msg:
+            self.errors.append(msg)
+            del self.errors[:-MAX_ERRORS]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        self.sock.close(0)

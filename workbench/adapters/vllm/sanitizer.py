@@ -1,0 +1,181 @@
+"""The checks the plugin runs on vLLM's state, as plain functions over arrays and lists.
+
+The invariant code is our probes' own (probes/invariants.py: one implementation, two
+callers); this module only says what in vLLM plays which part, and words the findings.
+hooks.py reads vLLM's objects into these arguments; nothing here imports vLLM, so the
+checks are tested on their own as well as inside a real server.
+
+The reference is always vLLM's own bookkeeping kept apart from what is checked:
+  - the attention metadata (query_start_loc, seq_lens, block_table_tensor, slot_mapping,
+    positions) against each scheduled request's block ids (the runner's per-request
+    record of the scheduler's decisions) and the scheduler's token counts for the step;
+  - the block pool (ref_cnt, the free queue's links, the prefix index) against the KV
+    cache manager's per-request block lists and the scheduler's live requests.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from probes import invariants
+
+PROBE_METADATA = "vllm_metadata"
+PROBE_POOL = "vllm_pool"
+
+HINTS = {
+    "block-table": "the block table the kernel reads disagrees with the request's block ids: look at the "
+                   "input batch's block table (add_row / append_row / condense / swap_states) and the "
+                   "kernel block-size mapping",
+    "slot-mapping": "slot = block_table[req, pos // block_size] * block_size + pos % block_size: look at "
+                    "compute_slot_mapping and the positions it was given",
+    "positions": "positions must run from each request's computed tokens: look at num_computed_tokens_cpu and "
+                 "query_pos in _prepare_inputs",
+    "lengths": "query_start_loc / seq_lens must follow the scheduler's num_scheduled_tokens and the computed "
+               "tokens before the step",
+    "leak": "blocks with references that no request maps are lost to the pool until restart: look at the "
+            "free path the last holder took (finish, abort, preemption)",
+    "orphan": "a request the scheduler no longer knows still holds blocks: its free was skipped (an abort "
+              "or finish path that does not reach kv_cache_manager.free)",
+    "refcount": "ref_cnt must equal the number of requests mapping the block: a block mapped by more "
+                "requests than references is freed while still read",
+    "short": "a running request maps fewer blocks than its computed tokens need",
+    "queue": "the free queue and the blocks' ref_cnt disagree",
+    "lost": "blocks neither free nor referenced can never be handed out again",
+    "free-with-refs": "a block on the free queue with references is handed out while still read",
+    "counts": "num_free_blocks disagrees with the free queue",
+    "cache-index": "the prefix index (cached_block_hash_to_block) and the blocks' hashes disagree",
+}
+
+
+def finding(probe: str, kind: str, severity: str, message: str, step: int | None, request_id=None,
+            page: int | None = None, **evidence) -> dict:
+    return {"probe": probe, "kind": kind, "severity": severity, "message": message, "hint": HINTS.get(kind, ""),
+            "step": step, "request_id": request_id, "page": page, "evidence": evidence}
+
+
+# ---- the attention metadata ---------------------------------------------------------------
+def metadata_findings(step: int, req_ids: list[str], starts, q_lens, page_lists, block_size: int,
+                      num_blocks: int | None, *, query_start_loc=None, seq_lens=None, block_table=None,
+                      slot_mapping=None, positions=None) -> list[dict]:
+    """CommonAttentionMetadata's tensors (as numpy) against the requests' own state."""
+    ref = invariants.reference(starts, q_lens, page_lists, block_size)
+    mism = []
+    if block_table is not None:
+        bt = np.asarray(block_table, dtype=np.int64)
+        mism += invariants.compare_table(bt, ref, "block_table_tensor", num_blocks)
+        mism += _out_of_range(bt, ref, num_blocks)
+    twins = {"query_start_loc": (query_start_loc, "cu_q"), "seq_lens": (seq_lens, "ctx")}
+    mism += invariants.packing_mismatches(
+        ref, positions=None if positions is None else np.asarray(positions, dtype=np.int64),
+        slot_mapping=None if slot_mapping is None else np.asarray(slot_mapping, dtype=np.int64), twins=twins)
+    by_check = defaultdict(list)
+    for m in mism:
+        by_check[(m.check, m.copy)].append(m)
+    out = []
+    for (check, copy), ms in by_check.items():
+        first = ms[0]
+        rid = req_ids[first.row] if 0 <= first.row < len(req_ids) else None
+        where = _where(check, first, ref)
+        rows = sorted({m.row for m in ms if m.row >= 0})
+        out.append(finding(
+            PROBE_METADATA, check, "error",
+            f"step {step}: {copy} {where} holds {first.got}, request {rid} means {first.want}"
+            + (f" ({len(rows)} requests affected: {', '.join(str(req_ids[r]) for r in rows[:4])})" if len(rows) > 1
+               else ""),
+            step, rid, first.got if check in ("block-table", "slot-mapping") and first.got is not None else None,
+            copy=copy, row=first.row, index=first.index, got=first.got, want=first.want,
+            requests=[req_ids[r] for r in rows[:16]]))
+    return out
+
+
+def _where(check: str, m, ref) -> str:
+    if check == "block-table":
+        return f"row {m.row} column {m.index}"
+    if check in ("slot-mapping", "positions", "input-ids"):
+        pos = int(ref.positions[m.index]) if 0 <= m.index < len(ref.positions) else None
+        return f"token {m.index} (position {pos} of row {m.row})"
+    return f"entry {m.index}"
+
+
+def _out_of_range(bt: np.ndarray, ref, num_blocks: int | None):
+    if num_blocks is None or bt.ndim != 2 or bt.shape[0] != len(ref.q_lens):
+        return []
+    w = min(bt.shape[1], ref.table.shape[1])
+    cols = np.arange(w)[None, :] < np.minimum(ref.need, w)[:, None]
+    bad = cols & ((bt[:, :w] < 0) | (bt[:, :w] >= num_blocks))
+    r, c = np.nonzero(bad)
+    return [invariants.Mismatch("block-table", "block_table_tensor", int(i), int(j), int(bt[i, j]),
+                                int(ref.table[i, j])) for i, j in list(zip(r, c))[:invariants.MAX_REPORTED]]
+
+
+# ---- the block pool -----------------------------------------------------------------------
+def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, prev, num_free: int,
+                  null_block: int | None, holders: dict[str, list[int]], live: dict[str, str],
+                  index_errors: tuple[list[int], list[int]] = ([], []), last_holder: dict | None = None,
+                  block_size: int | None = None, computed: dict[str, int] | None = None) -> list[dict]:
+    """The pool recomputed from its blocks against the manager's per-request lists.
+
+    ref: ref_cnt per block; free_walk: the free queue from its head; prev: each block's
+    prev link (-1 none); holders: request id -> block ids (req_to_blocks); live: the
+    scheduler's requests -> status; index_errors: (index entries naming a block with
+    another hash, hashed blocks missing from the index); last_holder: block -> the
+    request that last mapped it (for naming leaks)."""
+    ref = np.asarray(ref, dtype=np.int64).copy()
+    n = len(ref)
+    if null_block is not None and 0 <= null_block < n:
+        ref[null_block] = max(ref[null_block], 1)      # vLLM's null block: never free, its ref_cnt unkept
+    is_free = np.zeros(n, dtype=bool)
+    walk = np.asarray([p for p in free_walk if 0 <= p < n], dtype=np.int64)
+    is_free[walk] = True
+    out = []
+    for v in invariants.pool_violations(ref, is_free, np.zeros(n, dtype=bool), free_walk, walk_error,
+                                        np.asarray(prev, dtype=np.int64), num_free, 0, {}, [None] * n):
+        out.append(finding(PROBE_POOL, v.rule, "error", f"step {step}: {v.message}", step,
+                           page=v.pages[0] if v.pages else None, pages=list(v.pages)))
+    bad_index, unindexed = index_errors
+    if bad_index or unindexed:
+        out.append(finding(PROBE_POOL, "cache-index", "error",
+                           f"step {step}: {len(bad_index)} prefix-index entries name a block holding another "
+                           f"hash, {len(unindexed)} hashed blocks are missing from the index", step,
+                           page=(bad_index or unindexed)[0], pages=(bad_index + unindexed)[:16]))
+    # ref_cnt against the requests that map each block
+    flat = [p for pages in holders.values() for p in pages if 0 <= p < n and p != null_block]
+    mapped = np.bincount(np.asarray(flat, dtype=np.int64), minlength=n) if flat else np.zeros(n, dtype=np.int64)
+    if null_block is not None and 0 <= null_block < n:
+        mapped[null_block] = ref[null_block]
+    owners = defaultdict(list)
+    for rid, pages in holders.items():
+        for p in pages:
+            owners[p].append(rid)
+    leaked = np.nonzero((ref > 0) & (mapped == 0))[0]
+    if len(leaked):
+        last = {} if last_holder is None else last_holder
+        by = defaultdict(list)
+        for p in leaked.tolist():
+            by[last.get(p)].append(p)
+        for rid, pages in by.items():
+            out.append(finding(PROBE_POOL, "leak", "error",
+                               f"step {step}: {len(pages)} blocks keep references but no request maps them"
+                               + (f"; last held by request {rid}" if rid is not None else ""),
+                               step, rid, pages[0], pages=pages[:16]))
+    wrong = np.nonzero((ref != mapped) & (mapped > 0))[0]
+    for p in wrong[:invariants.MAX_REPORTED].tolist():
+        rids = owners.get(p, [])
+        out.append(finding(PROBE_POOL, "refcount", "error",
+                           f"step {step}: block {p} has ref_cnt {int(ref[p])} but {int(mapped[p])} requests map it "
+                           f"({', '.join(map(str, rids[:4]))})", step, rids[0] if rids else None, p,
+                           ref_cnt=int(ref[p]), mapped=int(mapped[p]), requests=rids[:16]))
+    for rid, pages in holders.items():
+        if rid not in live and pages:
+            out.append(finding(PROBE_POOL, "orphan", "error",
+                               f"step {step}: request {rid} is no longer scheduled but still holds {len(pages)} "
+                               f"blocks", step, rid, pages[0], pages=pages[:16]))
+    if block_size and computed:
+        for rid, c in computed.items():
+            have = len(holders.get(rid, ()))
+            if have * block_size < c:
+                out.append(finding(PROBE_POOL, "short", "error",
+                                   f"step {step}: request {rid} has computed {c} tokens but maps {have} blocks of "
+                                   f"{block_size}", step, rid, None, computed=c, blocks=have))
+    return out

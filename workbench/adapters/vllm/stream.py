@@ -1,0 +1,86 @@
+"""The sanitizer stream: what the plugin inside vLLM sends the workbench, one schema for both ends.
+
+ZMQ PUB/SUB over TCP on 127.0.0.1. The workbench BINDS a SUB socket; each vLLM process
+with the plugin CONNECTS a PUB to it (engine core and workers are separate processes, so
+many publishers, one listener). PUB never blocks: with no workbench listening, messages
+are dropped and vLLM runs on at full speed.
+
+A message is multipart: [kind, JSON header, *raw arrays]. Kinds:
+
+  hello    {pid, process, vllm_version}                                   once per process
+  step     {step, t, step_s, check_s, num_blocks, block_size, num_free, running, waiting,
+            names: {owner index: request id}}                             after each checked step
+           + three arrays, one entry per block: ref (int32), owner (int32, index into the
+             names sent so far, -1 none), cached (uint8: free and still holding a prefix hash)
+  finding  {probe, kind, severity, message, hint, step, request_id, page, evidence}
+  error    {message}                                                      a check that failed to run
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+
+KINDS = (b"hello", b"step", b"finding", b"error")
+ARRAYS = (("ref", np.int32), ("owner", np.int32), ("cached", np.uint8))
+
+
+class Publisher:
+    """The plugin's end: connect a PUB to the workbench's address; send() never blocks."""
+
+    def __init__(self, address: str):
+        import zmq
+        self._zmq = zmq
+        self.address = address
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.connect(address)
+        self.lock = threading.Lock()           # engine core and its threads may both send
+        self.dropped = 0
+
+    def send(self, kind: bytes, header: dict, arrays=()) -> None:
+        frames = [kind, json.dumps(header, default=str).encode()]
+        frames += [np.ascontiguousarray(a).tobytes() for a in arrays]
+        with self.lock:
+            try:
+                self.sock.send_multipart(frames, flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def decode(frames: list[bytes]) -> tuple[str, dict, dict]:
+    """(kind, header, arrays) from one message; ValueError naming what is wrong."""
+    if len(frames) < 2:
+        raise ValueError(f"sanitizer message of {len(frames)} frames (want kind, header, ...)")
+    kind = frames[0]
+    if kind not in KINDS:
+        raise ValueError(f"sanitizer message of unknown kind {kind[:20]!r}")
+    try:
+        header = json.loads(frames[1])
+    except ValueError as e:
+        raise ValueError(f"sanitizer {kind.decode()} header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"sanitizer {kind.decode()} header is a {type(header).__name__}, not an object")
+    arrays = {}
+    if kind == b"step":
+        if len(frames) != 2 + len(ARRAYS):
+            raise ValueError(f"sanitizer step {header.get('step')}: {len(frames) - 2} arrays, want {len(ARRAYS)}")
+        n = header.get("num_blocks")
+        for (name, dtype), raw in zip(ARRAYS, frames[2:]):
+            a = np.frombuffer(raw, dtype=dtype)
+            if len(a) != n:
+                raise ValueError(f"sanitizer step {header.get('step')}: array {name!r} has {len(a)} entries, "
+                                 f"num_blocks says {n}")
+            arrays[name] = a
+    return kind.decode(), header, arrays
+
+
+def now() -> float:
+    return time.time()
