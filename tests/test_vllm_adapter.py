@@ -110,6 +110,11 @@ def test_clean_burst_no_findings_and_vllm_agrees(served):
     assert not conn.kv.gaps, conn.kv.gaps
     pool = conn.pool
     assert pool is not None and len(pool.ref) == st["num_blocks"] and int((pool.ref > 0).sum()) <= 1
+    # the same history as typed events in the workbench's EventLog (DataFrames first)
+    steps_df, stored_df = wb.log.frame("VllmStepChecked"), wb.log.frame("VllmBlocksStored")
+    assert len(steps_df) >= len(steps) * 0.9 and steps_df["num_blocks"].iloc[-1] == st["num_blocks"]
+    assert stored_df["num_tokens"].sum() >= 32 * len(conn.kv.stored)
+    assert len(wb.log.frame("VllmMetricsScraped")) > 0
 
 
 @pytest.mark.parametrize("fault, kind", [("permuted_block_table_rows", "block-table"),

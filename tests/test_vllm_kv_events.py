@@ -139,6 +139,15 @@ def expected_map(batches):
     return m
 
 
+def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def parents(sub):
     return {h: b.parent for h, b in sub.stored.items()}
 
@@ -160,7 +169,8 @@ def tcp_pair(request):
     yield make
     for sub, vllm in made:
         sub.close()
-        vllm.close()
+        if not vllm.ctx.closed:
+            vllm.close()
 
 
 # ---- decoding ------------------------------------------------------------------------
@@ -311,6 +321,26 @@ def test_unknown_event_type_counted_and_on_batch(tcp_pair):
     assert sub.errors == ["on_batch raised RuntimeError: notebook callback bug (batch 1); kept going"]
 
 
+def test_vllm_restart_resets_the_map(tcp_pair):
+    sub, vllm = tcp_pair(replay=False)
+    for h in (1, 2, 3):
+        vllm.publish([stored([h])])
+    assert sub.wait_for_seq(2) and set(sub.stored) == {1, 2, 3}
+    vllm.close()                                         # vLLM stops; a new one connects, seq from 0
+    assert wait_until(lambda: not sub.connected)
+    new = FakeVLLM().open_pub(sub.address)
+    try:
+        new.wait_subscribed()
+        new.publish([stored([10])])
+        new.publish([stored([11], 10)])
+        assert wait_until(lambda: sub.last_seq == 1 and set(sub.stored) == {10, 11})
+        assert sub.counters["restarts"] == 1 and sub.counters["duplicates"] == 0
+        assert sub.errors == ["KV event seq went back from 2 to 0 on a new connection: vLLM restarted; "
+                              "the stored-block map was emptied and follows the new vLLM"]
+    finally:
+        new.close()
+
+
 # ---- joining, endpoints, closing ------------------------------------------------------
 def test_ipc_endpoint_connects_and_late_join_replays(tmp_path):
     ep = f"ipc://{tmp_path}/kv.sock"
@@ -330,10 +360,7 @@ def test_ipc_endpoint_connects_and_late_join_replays(tmp_path):
             assert [(g.first_missing, g.last_missing, g.recovered, g.how) for g in sub.gaps] == \
                 [(0, 2, True, "replay (joined late)")]
             assert vllm.replay_requests == [0] and sub.errors == []
-            deadline = time.time() + 2
-            while not sub.connected and time.time() < deadline:
-                time.sleep(0.01)
-            assert sub.connected
+            assert wait_until(lambda: sub.connected)
     finally:
         vllm.close()
 

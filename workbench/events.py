@@ -189,10 +189,47 @@ class LockHeld(Event):
     hold_ns: int
 
 
+# ---- a watched vLLM (workbench/adapters/vllm): step = vLLM's step, batch seq or scrape ----------------
+@dataclass(slots=True)
+class VllmStepChecked(Event):
+    """The plugin checked one vLLM step (engine-core side) and sent its pool snapshot."""
+    num_blocks: int
+    num_free: int
+    running: int
+    waiting: int
+    hashed: int                   # blocks carrying a prefix hash
+    step_ns: int                  # the step's own time
+    check_ns: int                 # the plugin's time on it
+
+
+@dataclass(slots=True)
+class VllmBlocksStored(Event):
+    """A KV event: blocks entered vLLM's prefix cache (step: the event batch's sequence number)."""
+    block_hashes: tuple
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class VllmBlocksRemoved(Event):
+    block_hashes: tuple
+
+
+@dataclass(slots=True)
+class VllmMetricsScraped(Event):
+    """One scrape of vLLM's /metrics (step: the scrape's index)."""
+    kv_cache_usage: float | None
+    running: float | None
+    waiting: float | None
+    preemptions: float | None
+    prefix_queries: float | None
+    prefix_hits: float | None
+
+
 EVENT_TYPES: tuple[type, ...] = (
     RequestSubmitted, RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
     PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered,
     BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, LockWaited, LockHeld,
+    VllmStepChecked, VllmBlocksStored, VllmBlocksRemoved, VllmMetricsScraped,
 )
 EVENT_BY_NAME = {t.__name__: t for t in EVENT_TYPES}
 

@@ -30,6 +30,7 @@ class Workbench:
         from .adapters.vllm.connection import VllmConnection
         wb = cls(None, log=False)
         wb.vllm = VllmConnection(url, kv_events, sanitizer, kv_replay, interval_s)
+        wb.log = EventLog(wb.vllm.bus, max_rows=1_000_000)    # the watched vLLM's history, as DataFrames
         return wb
 
     def close(self) -> None:

@@ -10,9 +10,11 @@ every view keeps the last good state.
 """
 from __future__ import annotations
 
+import threading
 import time
 
-from .kv_events import KVEventSubscriber
+from ...events import (EventBus, VllmBlocksRemoved, VllmBlocksStored, VllmMetricsScraped, VllmStepChecked)
+from .kv_events import BlockRemoved, BlockStored, KVEventSubscriber
 from .listener import SanitizerListener, check_local_address
 from .metrics import MetricsScraper
 
@@ -21,17 +23,53 @@ class VllmConnection:
     def __init__(self, url: str | None = "http://127.0.0.1:8000", kv_events: str | None = None,
                  sanitizer: str | None = None, kv_replay: str | None = None, interval_s: float = 1.0):
         self.url = url
-        self.sanitizer = SanitizerListener(sanitizer) if sanitizer else None
+        # What the three doors see also travels as typed events, so an EventLog on this bus keeps
+        # the watched vLLM's history as DataFrames (wb.log.frame("VllmStepChecked"), ...).
+        self.bus = EventBus()
+        self.kv = self.metrics = None
+        self._stop = threading.Event()
+        self._pump = None
+        self.sanitizer = SanitizerListener(sanitizer, on_step=self._on_step) if sanitizer else None
         try:
-            self.kv = None
             if kv_events:
                 check_local_address(kv_events, "KV events address")
-                self.kv = KVEventSubscriber(kv_events, kv_replay).start()
-            self.metrics = MetricsScraper(url, interval_s=interval_s).start() if url else None
+                self.kv = KVEventSubscriber(kv_events, kv_replay, on_batch=self._on_batch).start()
+            if url:
+                self.metrics = MetricsScraper(url, interval_s=interval_s).start()
+                self._pump = threading.Thread(target=self._pump_metrics, args=(interval_s,),
+                                              name="kvwb-vllm-metrics-events", daemon=True)
+                self._pump.start()
         except Exception:
             self.close()
             raise
         self.started = time.time()
+
+    # ---- events --------------------------------------------------------------------------
+    def _on_step(self, row: dict) -> None:
+        if self.bus.wants(VllmStepChecked):
+            self.bus.emit(VllmStepChecked(int(row["step"]), int(row["t"] * 1e9), int(row["num_blocks"]),
+                                          int(row["num_free"]), int(row["running"]), int(row["waiting"]),
+                                          int(row.get("hashed") or 0), int(row["step_s"] * 1e9),
+                                          int(row["check_s"] * 1e9)))
+
+    def _on_batch(self, batch) -> None:
+        t = int(batch.ts * 1e9)
+        for e in batch.events:
+            if isinstance(e, BlockStored) and self.bus.wants(VllmBlocksStored):
+                self.bus.emit(VllmBlocksStored(batch.seq, t, tuple(e.block_hashes), len(e.token_ids)))
+            elif isinstance(e, BlockRemoved) and self.bus.wants(VllmBlocksRemoved):
+                self.bus.emit(VllmBlocksRemoved(batch.seq, t, tuple(e.block_hashes)))
+
+    def _pump_metrics(self, interval_s: float) -> None:
+        sent = 0
+        while not self._stop.wait(interval_s / 2):
+            rows = self.metrics.rows if self.metrics is not None else []
+            for i, r in enumerate(rows[sent:], start=sent):
+                if self.bus.wants(VllmMetricsScraped):
+                    self.bus.emit(VllmMetricsScraped(i, int(r["t"] * 1e9), r.get("kv_cache_usage"), r.get("running"),
+                                                     r.get("waiting"), r.get("preemptions"),
+                                                     r.get("prefix_queries"), r.get("prefix_hits")))
+            sent = len(rows)
 
     # ---- what the views read ------------------------------------------------------------
     @property
@@ -56,7 +94,7 @@ class VllmConnection:
             out += [f"/metrics: {e}" for e in self.metrics.errors[-3:]]
         if self.kv is not None:
             out += [f"KV events: {e}" for e in self.kv.errors[-3:]]
-            if not self.kv.connected and time.time() - self.started > 10:
+            if self.kv.last_batch_time is None and time.time() - self.started > 10:
                 out.append("KV events: nothing received yet; is vLLM started with --kv-events-config "
                            "'{\"enable_kv_cache_events\": true, ...}' publishing to this address?")
         if self.sanitizer is not None:
@@ -96,6 +134,9 @@ class VllmConnection:
         return self.metrics.frame() if self.metrics is not None else pd.DataFrame()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=2)
         for part in ("metrics", "kv", "sanitizer"):
             obj = getattr(self, part, None)
             if obj is not None:

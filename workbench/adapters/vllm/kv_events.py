@@ -254,7 +254,7 @@ class KVEventsSnapshot:
 
 def _counters() -> dict[str, int]:
     return dict.fromkeys(("batches", "BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown",
-                          "stored_total", "removed_total", "removed_unseen", "duplicates",
+                          "stored_total", "removed_total", "removed_unseen", "duplicates", "restarts",
                           "replayed", "malformed"), 0)
 
 
@@ -275,6 +275,8 @@ class KVEventSubscriber:
                  replay_timeout_s: float = 2.0):
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.on_batch, self.poll_ms, self.replay_timeout_s = on_batch, int(poll_ms), float(replay_timeout_s)
+        if self.poll_ms <= 0 or self.replay_timeout_s <= 0:
+            raise ValueError(f"poll_ms={poll_ms!r} and replay_timeout_s={replay_timeout_s!r} must be > 0")
         # Mirror vLLM: where its PUB connects we bind, where it binds we connect. Checked
         # here, so a wrong endpoint fails in the notebook cell that made the subscriber.
         self.mode = "connect" if vllm_binds(endpoint) else "bind"
@@ -289,6 +291,7 @@ class KVEventSubscriber:
         self._gaps: list[Gap] = []
         self._errors: deque[str] = deque(maxlen=MAX_ERRORS)
         self._peers = 0
+        self._reconnected = False   # a publisher (re)connected since the last batch: seq may restart at 0
         self._last_batch_time: float | None = None
 
         self._ctx: zmq.Context | None = None
@@ -321,7 +324,9 @@ class KVEventSubscriber:
         except zmq.ZMQError as e:
             self._sub = sub
             self._close_sockets()
-            raise OSError(f"cannot {self.mode} {self.address} for vLLM's KV events: {e}") from None
+            hint = (" (another subscriber, maybe one made by an earlier cell, holds it: close() that one)"
+                    if e.errno == zmq.EADDRINUSE else "")
+            raise OSError(f"cannot {self.mode} {self.address} for vLLM's KV events: {e}{hint}") from None
         self._sub = sub
         # Sockets are made here and handed to the thread (Thread.start is the memory barrier
         # pyzmq asks for); from now on only the thread touches them, until close() joins it.
@@ -453,6 +458,7 @@ class KVEventSubscriber:
             with self._lock:
                 if ev in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                     self._peers += 1
+                    self._reconnected = self._last_seq is not None
                 elif ev == zmq.EVENT_DISCONNECTED:
                     self._peers = max(0, self._peers - 1)
 
@@ -463,11 +469,19 @@ class KVEventSubscriber:
             return
         seq = int.from_bytes(frames[1], "big")
         with self._lock:
-            last = self._last_seq
-        if last is not None and seq <= last:
-            with self._lock:
-                self._counters["duplicates"] += 1
-            return
+            last, reconnected, self._reconnected = self._last_seq, self._reconnected, False
+            if last is not None and seq <= last:
+                if not reconnected:
+                    self._counters["duplicates"] += 1   # seen already: ignored
+                    return
+                # An old seq from a connection made since the last batch: a new vLLM process
+                # (seq counts from 0 per publisher) whose cache starts empty. Ignoring it as
+                # "old" would ignore that vLLM for good.
+                self._counters["restarts"] += 1
+                self._stored.clear()
+                self._errors.append(f"KV event seq went back from {last} to {seq} on a new connection: "
+                                    "vLLM restarted; the stored-block map was emptied and follows the new vLLM")
+                self._last_seq = last = None
         if last is None and seq > 0:
             self._catch_up(0, seq, late_join=True)
         elif last is not None and seq > last + 1:

@@ -32,7 +32,7 @@ def check_local_address(address: str, what: str) -> str:
 
 
 class SanitizerListener:
-    def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100):
+    def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100, on_step=None):
         import zmq
         self.address = check_local_address(address, "sanitizer address")
         self.ctx = zmq.Context.instance()
@@ -45,6 +45,7 @@ class SanitizerListener:
             self.sock.close(0)
             raise ValueError(f"sanitizer address {self.address}: cannot bind ({e})") from None
         self.poll_ms = poll_ms
+        self.on_step = on_step                # on_step(header) after each step snapshot, on the thread
         self.lock = threading.Lock()
         self.findings: list[Finding] = []
         self.errors: list[str] = []
@@ -95,8 +96,14 @@ class SanitizerListener:
                 self.names.update({int(k): v for k, v in (header.get("names") or {}).items()})
                 self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
                                       arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
-                self.steps.append({k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks",
-                                                              "num_free", "running", "waiting", "hashed")})
+                row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
+                                                  "running", "waiting", "hashed")}
+                self.steps.append(row)
+        if kind == "step" and self.on_step is not None:
+            try:
+                self.on_step(row)
+            except Exception as e:           # a consumer's bug is reported, the stream goes on
+                self._error(f"on_step: {type(e).__name__}: {e}")
 
     def _error(self, msg: str) -> None:
         if not self.errors or self.errors[-1] != msg:

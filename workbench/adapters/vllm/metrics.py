@@ -168,6 +168,10 @@ class MetricsScraper:
         self.url = base[: -len("/metrics")] if base.endswith("/metrics") else base
         self.metrics_url = self.url + "/metrics"
         self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"interval_s={interval_s!r} and timeout_s={timeout_s!r} must be > 0")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url={url!r}: expected http://HOST:PORT (vLLM's server)")
         self._lock = threading.Lock()
         self._rows: deque[dict] = deque(maxlen=max_rows)
         self._errors: deque[str] = deque(maxlen=MAX_ERRORS)
