@@ -97,7 +97,7 @@ class SanitizerListener:
                 self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
                                       arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
-                                                  "running", "waiting", "hashed")}
+                                                  "running", "waiting", "hashed", "process")}
                 self.steps.append(row)
         if kind == "step" and self.on_step is not None:
             try:
