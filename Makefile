@@ -82,7 +82,7 @@ test: $(STAMP) browser vllm
 	exit $$rc
 
 # notebooks executed top to bottom and the Chromium dashboard test (marker `ui`)
-test-ui: $(STAMP) browser
+test-ui: $(STAMP) browser vllm
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -m ui $(PYTEST_ARGS)
 
 $(KERNEL_SPEC): $(STAMP)

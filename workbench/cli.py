@@ -282,6 +282,52 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# watch
+# --------------------------------------------------------------------------
+
+
+def _args_watch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm", required=True, metavar="URL",
+                   help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000 (its /metrics is scraped)")
+    p.add_argument("--kv-events", default=None, metavar="ADDR",
+                   help="the endpoint of vLLM's --kv-events-config, e.g. tcp://127.0.0.1:5557 (bound here)")
+    p.add_argument("--kv-replay", default=None, metavar="ADDR",
+                   help="its replay_endpoint, to recover KV events dropped in transit")
+    p.add_argument("--sanitizer", default=None, metavar="ADDR",
+                   help="where the workbench's vLLM plugin sends its findings (vLLM started with "
+                        "PAGEDKV_VLLM_SANITIZER=ADDR), e.g. tcp://127.0.0.1:5590 (bound here)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between summary lines (default 1)")
+    p.add_argument("--report", default=None, metavar="OUT.html", help="on exit, write a self-contained HTML report")
+    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds (default: at Ctrl-C)")
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from workbench.adapters.vllm.watch import open_connection, watch
+
+    if args.duration is not None and args.duration < 0:
+        print(f"kvwb watch: --duration {args.duration:g}: give seconds >= 0", file=sys.stderr)
+        return 2
+    if args.report and not Path(args.report).resolve().parent.is_dir():
+        print(f"kvwb watch: --report {args.report}: no such directory", file=sys.stderr)
+        return 2
+    try:
+        conn = open_connection(args.vllm, kv_events=args.kv_events, sanitizer=args.sanitizer,
+                               kv_replay=args.kv_replay, interval_s=args.interval)
+    except ValueError as e:
+        print(f"kvwb watch: {e}", file=sys.stderr)
+        return 2
+    try:
+        return watch(conn, sys.stdout, interval_s=args.interval, duration_s=args.duration, report=args.report)
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(f"kvwb watch: cannot write the report {args.report}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------
 # registry and entry point
 # --------------------------------------------------------------------------
 
@@ -290,6 +336,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argp
     "doctor": (cmd_doctor, _args_doctor, "check the install: torch, device, dtypes, bandwidth, matmul, default model"),
     "replay": (cmd_replay, _args_replay, "replay a request trace (simulate or full) and summarise what happened"),
     "serve-metrics": (cmd_serve_metrics, _args_serve_metrics, "load an engine and serve its kvwb_* Prometheus metrics over HTTP"),
+    "watch": (cmd_watch, _args_watch, "watch a running vLLM: live summary, findings, problems; an HTML report on exit"),
 }
 
 

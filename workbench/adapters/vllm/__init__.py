@@ -12,6 +12,7 @@ In the workbench:
   kv_events.py  vLLM's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared), with replay
   metrics.py    vLLM's Prometheus /metrics
   connection.py VllmConnection: the three together (Workbench.connect_vllm)
+  watch.py      `kvwb watch`: the same in a terminal, and its HTML report
   server.py     VllmServer: start a real vLLM with all of it on (tests, notebook, benchmark)
   model_dir.py  the default model as a safetensors directory vLLM loads
 """

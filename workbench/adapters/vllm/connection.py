@@ -15,7 +15,7 @@ import time
 
 from ...events import (EventBus, VllmBlocksRemoved, VllmBlocksStored, VllmMetricsScraped, VllmStepChecked)
 from .kv_events import BlockRemoved, BlockStored, KVEventSubscriber
-from .listener import SanitizerListener, check_local_address
+from .listener import SanitizerListener
 from .metrics import MetricsScraper
 
 
@@ -31,8 +31,7 @@ class VllmConnection:
         self._pump = None
         self.sanitizer = SanitizerListener(sanitizer, on_step=self._on_step) if sanitizer else None
         try:
-            if kv_events:
-                check_local_address(kv_events, "KV events address")
+            if kv_events:                    # KVEventSubscriber binds only loopback addresses itself
                 self.kv = KVEventSubscriber(kv_events, kv_replay, on_batch=self._on_batch).start()
             if url:
                 self.metrics = MetricsScraper(url, interval_s=interval_s).start()
@@ -90,8 +89,8 @@ class VllmConnection:
 
     def problems(self) -> list[str]:
         out = []
-        if self.metrics is not None:
-            out += [f"/metrics: {e}" for e in self.metrics.errors[-3:]]
+        if self.metrics is not None and self.metrics.failing:     # past failures that recovered are not news
+            out.append(f"/metrics: {self.metrics.failing}")
         if self.kv is not None:
             out += [f"KV events: {e}" for e in self.kv.errors[-3:]]
             if self.kv.last_batch_time is None and time.time() - self.started > 10:
@@ -124,6 +123,16 @@ class VllmConnection:
                 f" waiting {f(s.get('waiting'), '{:.0f}')} | preemptions {f(s.get('preemptions'), '{:.0f}')} | "
                 f"step {f(s.get('step'))} free {f(s.get('blocks_free'))}/{f(s.get('blocks'))} | "
                 f"KV-event blocks {f(s.get('stored_blocks'))} | findings {s['findings']} ({s['errors']} >= error)")
+
+    def wait_idle(self, timeout_s: float = 30) -> dict:
+        """Until the plugin's latest snapshot shows nothing running or waiting (that snapshot)."""
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            st = self.sanitizer.steps[-1] if self.sanitizer and self.sanitizer.steps else None
+            if st and st["running"] == 0 and st["waiting"] == 0 and time.time() - st["t"] > 0.5:
+                return st
+            time.sleep(0.2)
+        raise TimeoutError(f"vLLM not idle after {timeout_s:.0f} s: {self.summary_line()}")
 
     def steps_frame(self):
         import pandas as pd

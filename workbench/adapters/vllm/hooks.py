@@ -41,8 +41,8 @@ class _State:
         self.worker_step = 0                  # model executions seen (worker process)
         self.current = None                   # (runner, scheduler_output) while a step executes
         self.checked = False                  # this step's metadata already checked
-        self.names: dict[str, int] = {}       # request id -> owner index in the snapshots
-        self.sent_names = 0
+        self.names: dict[str, int] = {}       # request id -> owner index, for the requests holding blocks
+        self.next_name = 0
         self.last_holder: dict[int, str] = {}
         self.reported: set = set()            # persistent conditions are reported once
         self.check_s = 0.0
@@ -65,6 +65,8 @@ class _State:
                 key = (f["probe"], f["kind"], f["request_id"], f["page"])
             if key in self.reported:
                 continue
+            if len(self.reported) > 100_000:      # bounded: a fault left on for days must not grow vLLM
+                self.reported.clear()
             self.reported.add(key)
             pub.send(b"finding", f)
 
@@ -199,8 +201,15 @@ def after_step(scheduler, step_s: float) -> None:
             STATE.last_holder[p] = rid
     # the snapshot: ref, first owner and cached-free flag per block, for the page map
     owner = np.full(n, -1, dtype=np.int32)
+    new = {}
+    names = {}                                # only the current holders: a server's lifetime of ids is not kept
     for rid, pages in holders.items():
-        i = STATE.names.setdefault(rid, len(STATE.names))
+        i = STATE.names.get(rid)
+        if i is None:
+            i = STATE.next_name
+            STATE.next_name += 1
+            new[i] = rid
+        names[rid] = i
         idx = np.asarray(pages, dtype=np.int64)
         idx = idx[(idx >= 0) & (idx < n)]
         free_owner = owner[idx] < 0
@@ -208,8 +217,7 @@ def after_step(scheduler, step_s: float) -> None:
     is_free = np.zeros(n, dtype=bool)
     is_free[[p for p in walk if 0 <= p < n]] = True
     cached = (is_free & has_hash).astype(np.uint8)
-    new = {i: rid for rid, i in STATE.names.items() if i >= STATE.sent_names}
-    STATE.sent_names = len(STATE.names)
+    STATE.names = names
     STATE.check_s += time.perf_counter() - t0
     pub = STATE.publisher()
     running, waiting = len(scheduler.running), len(scheduler.requests) - len(scheduler.running)

@@ -35,7 +35,7 @@ class SanitizerListener:
     def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100, on_step=None):
         import zmq
         self.address = check_local_address(address, "sanitizer address")
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()             # its own: closing it releases the port at once (rebinding works)
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -43,6 +43,7 @@ class SanitizerListener:
             self.sock.bind(self.address)
         except zmq.ZMQError as e:
             self.sock.close(0)
+            self.ctx.term()
             raise ValueError(f"sanitizer address {self.address}: cannot bind ({e})") from None
         self.poll_ms = poll_ms
         self.on_step = on_step                # on_step(header) after each step snapshot, on the thread
@@ -115,3 +116,4 @@ class SanitizerListener:
         if self._thread.is_alive():
             self._thread.join(timeout=2)
         self.sock.close(0)
+        self.ctx.term()

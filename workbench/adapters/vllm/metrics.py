@@ -183,6 +183,12 @@ class MetricsScraper:
         self._stop = threading.Event()
         self._closed = False
 
+    @property
+    def failing(self) -> str | None:
+        """The failure going on now (None once a scrape succeeds again)."""
+        with self._lock:
+            return self._failing
+
     # -- one scrape
     def scrape_once(self) -> dict | None:
         """Scrape now: the row appended, or None (the reason is in `errors`). Never raises."""

@@ -83,10 +83,22 @@ def metadata_findings(step: int, req_ids: list[str], starts, q_lens, page_lists,
             f"step {step}: {copy} {where} holds {first.got}, request {rid} means {first.want}"
             + (f" ({len(rows)} requests affected: {', '.join(str(req_ids[r]) for r in rows[:4])})" if len(rows) > 1
                else ""),
-            step, rid, first.got if check in ("block-table", "slot-mapping") and first.got is not None else None,
+            step, rid, _block_of(check, first.got, block_size),
             copy=copy, row=first.row, index=first.index, got=first.got, want=first.want,
-            requests=[req_ids[r] for r in rows[:16]]))
+            requests=[req_ids[r] for r in rows[:16]],
+            **({"page_read": first.got, "page_meant": first.want} if check == "block-table" else {})))
     return out
+
+
+def _block_of(check: str, got, block_size: int):
+    """The block a finding names: the block id read (block-table) or the block a slot lies in."""
+    if got is None or got < 0:
+        return None
+    if check == "block-table":
+        return got
+    if check == "slot-mapping":
+        return got // block_size
+    return None
 
 
 def _where(check: str, m, ref) -> str:

@@ -104,6 +104,18 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
 
+    def burst(self, questions, system: str = "", workers: int = 6, max_tokens: int = 20):
+        """Chat completions for each question (after a shared system prompt), sent concurrently;
+        returns (vLLM's response ids, the answers), in the questions' order."""
+        import concurrent.futures as cf
+
+        def one(q):
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+            return self.chat(msgs, max_tokens=max_tokens)
+        with cf.ThreadPoolExecutor(workers) as ex:
+            res = list(ex.map(one, questions))
+        return [r["id"] for r in res], [r["choices"][0]["message"]["content"] for r in res]
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             import signal
