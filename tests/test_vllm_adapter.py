@@ -104,6 +104,9 @@ def test_clean_burst_no_findings_and_vllm_agrees(served):
         time.sleep(0.2)
         st = conn.sanitizer.steps[-1]
     assert len(conn.kv.stored) == st["hashed"] > 0, (len(conn.kv.stored), st)
+    # and block by block: the hashes the pool itself holds, as vLLM spells them in its events
+    assert set(conn.kv.stored) == set(conn.sanitizer.idle_hashes), \
+        (len(set(conn.kv.stored) ^ set(conn.sanitizer.idle_hashes)), len(conn.kv.stored))
     assert not conn.kv.gaps, conn.kv.gaps
     pool = conn.pool
     assert pool is not None and len(pool.ref) == st["num_blocks"] and int((pool.ref > 0).sum()) <= 1

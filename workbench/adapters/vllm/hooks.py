@@ -46,6 +46,7 @@ class _State:
         self.last_holder: dict[int, str] = {}
         self.reported: set = set()            # persistent conditions are reported once
         self.check_s = 0.0
+        self.checks = 0                       # metadata checks run (worker process)
 
     def publisher(self) -> Publisher:
         if self.pub is None:
@@ -159,6 +160,11 @@ def check_metadata(cm, runner, sched_out, block_size: int) -> None:
         block_table=_np(cm.block_table_tensor, n), slot_mapping=_np(cm.slot_mapping, t),
         positions=None if cm.positions is None else _np(cm.positions, t))
     STATE.check_s += time.perf_counter() - t0
+    STATE.checks += 1
+    if STATE.checks % 32 == 0:                # the worker sends no step headers: its cost travels alone
+        STATE.publisher().send(b"cost", {"process": multiprocessing.current_process().name, "checks": 32,
+                                         "check_s": STATE.check_s})
+        STATE.check_s = 0.0
     if findings:
         STATE.report(findings)
 
@@ -221,10 +227,18 @@ def after_step(scheduler, step_s: float) -> None:
     STATE.check_s += time.perf_counter() - t0
     pub = STATE.publisher()
     running, waiting = len(scheduler.running), len(scheduler.requests) - len(scheduler.running)
+    extra = {}
+    if idle:
+        # At idle the prefix cache's block hashes, as vLLM's KV events spell them (its own
+        # conversion): a consumer of those events can check its map against the pool itself.
+        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+        extra["hashes"] = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks
+                           if b.block_hash is not None]
+        extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in extra["hashes"]]
     pub.send(b"step", {"step": STATE.step, "t": time.time(), "step_s": step_s, "check_s": STATE.check_s,
                        "num_blocks": n, "block_size": scheduler.block_size, "num_free": q.num_free_blocks,
                        "running": running, "waiting": waiting, "hashed": int(has_hash.sum()),
-                       "process": multiprocessing.current_process().name, "names": new},
+                       "process": multiprocessing.current_process().name, "names": new, **extra},
              (ref.astype(np.int32), owner, cached))
     STATE.check_s = 0.0
     if findings:

@@ -51,9 +51,11 @@ class SanitizerListener:
         self.findings: list[Finding] = []
         self.errors: list[str] = []
         self.processes: list[dict] = []
+        self.costs: dict[str, dict] = {}      # process -> {checks, check_s}: the worker's metadata checks
         self.steps: list[dict] = []           # one row per step header (step, t, step_s, check_s, ...)
         self.names: dict[int, str] = {}       # owner index -> vLLM request id
         self.pool: PoolState | None = None
+        self.idle_hashes: list | None = None  # the block hashes vLLM's pool held at its last idle step
         self.messages = 0
         self.last_message: float | None = None
         self._stop = threading.Event()
@@ -91,6 +93,11 @@ class SanitizerListener:
                     hint=str(header.get("hint", "")), kind=str(header.get("kind", "")), step=header.get("step"),
                     request_id=header.get("request_id"), page=header.get("page"),
                     evidence=dict(header.get("evidence") or {})))
+            elif kind == "cost":
+                proc = str(header.get("process", "?"))
+                c = self.costs.setdefault(proc, {"checks": 0, "check_s": 0.0})
+                c["checks"] += int(header.get("checks", 0))
+                c["check_s"] += float(header.get("check_s", 0.0))
             elif kind == "error":
                 self._error(f"in vLLM: {header.get('message')}")
             elif kind == "step":
@@ -100,6 +107,8 @@ class SanitizerListener:
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
                                                   "running", "waiting", "hashed", "process")}
                 self.steps.append(row)
+                if "hashes" in header:            # sent at idle: the pool's prefix-cache blocks
+                    self.idle_hashes = list(header["hashes"])
         if kind == "step" and self.on_step is not None:
             try:
                 self.on_step(row)

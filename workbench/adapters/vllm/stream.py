@@ -14,6 +14,8 @@ A message is multipart: [kind, JSON header, *raw arrays]. Kinds:
              names sent so far, -1 none), cached (uint8: free and still holding a prefix hash)
   finding  {probe, kind, severity, message, hint, step, request_id, page, evidence}
   error    {message}                                                      a check that failed to run
+  cost     {process, checks, check_s}     the worker's metadata checks, every 32 (the engine core
+                                          sends its own time in each step header)
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 
 import numpy as np
 
-KINDS = (b"hello", b"step", b"finding", b"error")
+KINDS = (b"hello", b"step", b"finding", b"error", b"cost")
 ARRAYS = (("ref", np.int32), ("owner", np.int32), ("cached", np.uint8))
 
 
