@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -21,6 +20,8 @@ from workbench import cli
 from workbench.adapters.vllm import sanitizer
 from workbench.adapters.vllm.stream import Publisher
 from workbench.adapters.vllm.watch import finding_line, open_connection, watch
+
+from vllm_fakes import MetricsServer, free_addr, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,50 +63,9 @@ ERROR_MSG = "step 3: block_table_tensor row 0 column 1 holds 9, request cmpl-A m
 WARN_MSG = "step 4: the KV event map is 2 blocks behind the pool"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_addr() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
-
-
-class MetricsServer:
-    def __init__(self, text: str = VLLM_TEXT):
-        self.text = text
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path != "/metrics":
-                    self.send_error(404)
-                    return
-                body = outer.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
-
-
 @pytest.fixture
 def server():
-    s = MetricsServer()
+    s = MetricsServer(VLLM_TEXT)
     yield s
     s.stop()
 

@@ -5,10 +5,8 @@ KV-event address nothing publishes to, and a real ZMQ PUB sending malformed sani
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -16,6 +14,8 @@ import zmq
 
 from workbench.adapters.vllm.connection import VllmConnection
 from workbench.adapters.vllm.listener import SanitizerListener
+
+from vllm_fakes import MetricsServer, free_addr, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,16 +36,6 @@ vllm:num_preemptions_created{{engine="0",{MODEL}}} 1.7512345678901e+09
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_addr() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
-
-
 def wait_until(cond, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -53,34 +43,6 @@ def wait_until(cond, timeout=5.0):
             return False
         time.sleep(0.02)
     return True
-
-
-class MetricsServer:
-    def __init__(self, text: str = VLLM_TEXT):
-        self.text = text
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = outer.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
 
 
 def our_threads():
@@ -101,7 +63,7 @@ def test_wrong_url_is_a_sentence_naming_it():
 
 
 def test_dropped_connection_keeps_the_rows_and_says_so():
-    server = MetricsServer()
+    server = MetricsServer(VLLM_TEXT)
     try:
         conn = VllmConnection(server.url, interval_s=0.05)
         assert wait_until(lambda: len(conn.metrics.rows) >= 3)

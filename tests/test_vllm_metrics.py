@@ -4,15 +4,15 @@ VLLM_TEXT is what vLLM 0.32's server exposes (prometheus_client's exposition: HE
 TYPE lines, model_name/engine labels, counters as _total plus _created, histograms as
 _bucket{le=...}/_sum/_count), trimmed, for two engines of one model."""
 import math
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from workbench.adapters.vllm.metrics import (COLUMNS, VLLM_METRICS, MetricsFormatError, MetricsScraper,
                                              parse_prometheus, vllm_sample)
+
+from vllm_fakes import MetricsServer, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,53 +78,11 @@ test_neg_inf -Inf
 '''
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MetricsServer:
-    """A local /metrics server whose text the test can change, and stop."""
-
-    def __init__(self, text):
-        self.text = text
-        self.hits = 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                outer.hits += 1
-                if self.path != "/metrics":
-                    self.send_error(404)
-                    return
-                body = outer.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
-
-
 @pytest.fixture
 def server():
     s = MetricsServer(VLLM_TEXT)
     yield s
-    if s.thread.is_alive():
-        s.stop()
+    s.stop()
 
 
 def wait_until(cond, timeout=5.0):
