@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..engine import lifecycle
 from ..engine.config import EngineConfig
 from ..engine.instrumentation import pool_observer, wants_pool_events
@@ -59,6 +61,7 @@ class SimSequence(Sequence):
         self.block = hash_block_size or 0
         self.num_output = 0
         self.stop_at = lifecycle.length_limit(self)       # the length rule, as a token count
+        self._ids_np = None                                # hash_ids as int64 (page_keys), made on first use
 
     @property
     def num_output_tokens(self) -> int:
@@ -85,6 +88,14 @@ class SimSequence(Sequence):
             return (self.hash_ids[b0], start - b0 * self.block, self.hash_ids[b1])
         return 2 * ((self.request_id << 32) | i) + 1          # nothing shared: unique content
 
+    def _ids_array(self, step: int):
+        """The hash ids as int64, when every key they make fits in one (else None: Python ints)."""
+        if self._ids_np is None:
+            ids = self.hash_ids
+            big = max(map(abs, ids), default=0)
+            self._ids_np = (np.asarray(ids, dtype=np.int64) if (big + 1) * step < 2 ** 62 else False)
+        return self._ids_np if self._ids_np is not False else None
+
     def page_keys(self, start: int, stop: int, ps: int) -> list:
         """page_key for pages start..stop-1 in one go (a long prompt has thousands)."""
         shared = min(stop, self.prompt_len // ps) if self.hash_ids else 0     # pages inside the prompt
@@ -93,8 +104,14 @@ class SimSequence(Sequence):
             keys = []
         elif blk % ps == 0:                      # no page straddles two hash blocks
             per = blk // ps
-            step, offs = 2 * per, _offsets(per)
-            keys = [ids[i // per] * step + offs[i % per] for i in range(start, shared)]
+            step = 2 * per
+            arr = self._ids_array(step)
+            if arr is not None and shared - start >= 32:    # a prompt's pages at once, in numpy
+                i = np.arange(start, shared)
+                keys = (arr[i // per] * step + (i % per) * 2).tolist()
+            else:
+                offs = _offsets(per)
+                keys = [ids[i // per] * step + offs[i % per] for i in range(start, shared)]
         else:
             keys = [self.page_key(i, ps) for i in range(start, shared)]
         base = 2 * (self.request_id << 32) + 1
