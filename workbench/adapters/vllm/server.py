@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -29,7 +30,24 @@ def vllm_python() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port on 127.0.0.1 below the kernel's ephemeral range. A port the kernel picks (bind to 0)
+    comes from that range, where any outgoing connection (the /metrics scraper opens one per scrape)
+    may take it in the seconds before vLLM binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:                         # a crowded host: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
