@@ -21,7 +21,7 @@ from workbench.adapters.vllm import sanitizer
 from workbench.adapters.vllm.stream import Publisher
 from workbench.adapters.vllm.watch import finding_line, open_connection, watch
 
-from vllm_fakes import MetricsServer, free_addr, free_port
+from vllm_fakes import MetricsServer, free_addr, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,14 +69,6 @@ def server():
     yield s
     s.stop()
 
-
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # ---- what the plugin sends ----------------------------------------------------------------

@@ -15,7 +15,7 @@ import zmq
 from workbench.adapters.vllm.connection import VllmConnection
 from workbench.adapters.vllm.listener import SanitizerListener
 
-from vllm_fakes import MetricsServer, free_addr, free_port
+from vllm_fakes import MetricsServer, free_addr, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,14 +35,6 @@ vllm:num_preemptions_total{{engine="0",{MODEL}}} 3.0
 vllm:num_preemptions_created{{engine="0",{MODEL}}} 1.7512345678901e+09
 '''
 
-
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def our_threads():

@@ -14,6 +14,7 @@ from collections import deque
 import msgpack
 import pytest
 import zmq
+from vllm_fakes import wait_until
 
 from workbench.adapters.vllm.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventFormatError,
                                                KVEventSubscriber, StoredBlock, decode_batch, vllm_binds)
@@ -138,14 +139,6 @@ def expected_map(batches):
                 m.clear()
     return m
 
-
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def parents(sub):

@@ -12,7 +12,7 @@ import pytest
 from workbench.adapters.vllm.metrics import (COLUMNS, VLLM_METRICS, MetricsFormatError, MetricsScraper,
                                              parse_prometheus, vllm_sample)
 
-from vllm_fakes import MetricsServer, free_port
+from vllm_fakes import MetricsServer, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,14 +84,6 @@ def server():
     yield s
     s.stop()
 
-
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # ---- parsing -------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """Local stand-ins for a vLLM server's endpoints, shared by the vLLM adapter tests.
 
 MetricsServer serves Prometheus text at /metrics over real HTTP on 127.0.0.1; free_port and
-free_addr name loopback ports nothing listens on. Each test file keeps its own VLLM_TEXT."""
+free_addr name loopback ports nothing listens on; wait_until polls a condition. Each test file
+keeps its own VLLM_TEXT."""
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -13,6 +15,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(cond, timeout=5.0) -> bool:
+    """Poll cond() until it holds (True) or timeout seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def free_addr() -> str:
