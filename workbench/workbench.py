@@ -28,9 +28,11 @@ class Workbench:
         findings of the workbench's vLLM plugin (vLLM started with PAGEDKV_VLLM_SANITIZER=<sanitizer>;
         the workbench binds it). None leaves a door out. wb.dashboard() then shows vLLM's pool."""
         from .adapters.vllm.connection import VllmConnection
+        from .events import EventBus
         wb = cls(None, log=False)
-        wb.vllm = VllmConnection(url, kv_events, sanitizer, kv_replay, interval_s)
-        wb.log = EventLog(wb.vllm.bus, max_rows=1_000_000)    # the watched vLLM's history, as DataFrames
+        bus = EventBus()
+        wb.log = EventLog(bus, max_rows=1_000_000)     # the watched vLLM's history, as DataFrames, from the start
+        wb.vllm = VllmConnection(url, kv_events, sanitizer, kv_replay, interval_s, bus=bus)
         return wb
 
     def close(self) -> None:

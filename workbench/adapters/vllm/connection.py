@@ -10,7 +10,6 @@ every view keeps the last good state.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 from ...events import (EventBus, VllmBlocksRemoved, VllmBlocksStored, VllmMetricsScraped, VllmStepChecked)
@@ -21,23 +20,19 @@ from .metrics import MetricsScraper
 
 class VllmConnection:
     def __init__(self, url: str | None = "http://127.0.0.1:8000", kv_events: str | None = None,
-                 sanitizer: str | None = None, kv_replay: str | None = None, interval_s: float = 1.0):
+                 sanitizer: str | None = None, kv_replay: str | None = None, interval_s: float = 1.0,
+                 bus: EventBus | None = None):
         self.url = url
         # What the three doors see also travels as typed events, so an EventLog on this bus keeps
         # the watched vLLM's history as DataFrames (wb.log.frame("VllmStepChecked"), ...).
-        self.bus = EventBus()
+        self.bus = bus or EventBus()          # subscribe before the doors open (pass bus=) to miss nothing
         self.kv = self.metrics = None
-        self._stop = threading.Event()
-        self._pump = None
         self.sanitizer = SanitizerListener(sanitizer, on_step=self._on_step) if sanitizer else None
         try:
             if kv_events:                    # KVEventSubscriber binds only loopback addresses itself
                 self.kv = KVEventSubscriber(kv_events, kv_replay, on_batch=self._on_batch).start()
             if url:
-                self.metrics = MetricsScraper(url, interval_s=interval_s).start()
-                self._pump = threading.Thread(target=self._pump_metrics, args=(interval_s,),
-                                              name="kvwb-vllm-metrics-events", daemon=True)
-                self._pump.start()
+                self.metrics = MetricsScraper(url, interval_s=interval_s, on_row=self._on_row).start()
         except Exception:
             self.close()
             raise
@@ -59,16 +54,11 @@ class VllmConnection:
             elif isinstance(e, BlockRemoved) and self.bus.wants(VllmBlocksRemoved):
                 self.bus.emit(VllmBlocksRemoved(batch.seq, t, tuple(e.block_hashes)))
 
-    def _pump_metrics(self, interval_s: float) -> None:
-        sent = 0
-        while not self._stop.wait(interval_s / 2):
-            rows = self.metrics.rows if self.metrics is not None else []
-            for i, r in enumerate(rows[sent:], start=sent):
-                if self.bus.wants(VllmMetricsScraped):
-                    self.bus.emit(VllmMetricsScraped(i, int(r["t"] * 1e9), r.get("kv_cache_usage"), r.get("running"),
-                                                     r.get("waiting"), r.get("preemptions"),
-                                                     r.get("prefix_queries"), r.get("prefix_hits")))
-            sent = len(rows)
+    def _on_row(self, index: int, r: dict) -> None:
+        if self.bus.wants(VllmMetricsScraped):
+            self.bus.emit(VllmMetricsScraped(index, int(r["t"] * 1e9), r.get("kv_cache_usage"), r.get("running"),
+                                             r.get("waiting"), r.get("preemptions"), r.get("prefix_queries"),
+                                             r.get("prefix_hits")))
 
     # ---- what the views read ------------------------------------------------------------
     @property
@@ -143,9 +133,6 @@ class VllmConnection:
         return self.metrics.frame() if self.metrics is not None else pd.DataFrame()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._pump is not None:
-            self._pump.join(timeout=2)
         for part in ("metrics", "kv", "sanitizer"):
             obj = getattr(self, part, None)
             if obj is not None:

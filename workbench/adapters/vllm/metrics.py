@@ -163,7 +163,7 @@ class MetricsScraper:
     `errors` once per run of identical failures, not once per interval."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", interval_s: float = 1.0,
-                 timeout_s: float = 2.0, max_rows: int = 100_000):
+                 timeout_s: float = 2.0, max_rows: int = 100_000, on_row=None):
         base = url.rstrip("/")
         self.url = base[: -len("/metrics")] if base.endswith("/metrics") else base
         self.metrics_url = self.url + "/metrics"
@@ -182,6 +182,7 @@ class MetricsScraper:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        self.on_row = on_row                   # on_row(index, row) after each good scrape, on its thread
 
     @property
     def failing(self) -> str | None:
@@ -209,9 +210,15 @@ class MetricsScraper:
             return None
         with self._lock:
             self._rows.append(row)
+            index = self.scrapes
             self.scrapes += 1
             self.last_ok = row["t"]
             self._failing = None
+        if self.on_row is not None:
+            try:
+                self.on_row(index, row)
+            except Exception as e:             # a consumer's bug is reported, the scraping goes on
+                self._fail(f"on_row: {type(e).__name__}: {e}")
         return row
 
     def _fetch(self) -> str:
