@@ -235,10 +235,18 @@ EVENT_BY_NAME = {t.__name__: t for t in EVENT_TYPES}
 
 
 class EventBus:
-    """Synchronous publish/subscribe keyed by event type."""
+    """Synchronous publish/subscribe keyed by event type.
+
+    Two kinds of subscriber: fn(event), and row subscribers, fn(etype, row) with row the event's
+    field values in declaration order (subscribe_rows). A producer that has the values at hand
+    (the page pool: a million events in a replay) emits them with emit_row(), and the event
+    object is built only when someone takes objects; a consumer that stores rows (the
+    EventLog) never needs one.
+    """
 
     def __init__(self) -> None:
         self._subs: dict[type, list[Callable[[Event], None]]] = {}
+        self._row_subs: dict[type, list[Callable[[type, tuple], None]]] = {}
         self._wanted: frozenset[type] = frozenset()
         self.on_error: Callable[[Callable, Event, BaseException], None] | None = None
         self.on_change: list[Callable[[], None]] = []     # told when the set of wanted types changes
@@ -251,25 +259,76 @@ class EventBus:
             self._subs.setdefault(t, []).append(fn)
         self._changed()
 
-    def unsubscribe(self, fn: Callable[[Event], None]) -> None:
-        for fs in self._subs.values():
+    def subscribe_rows(self, etypes: type | Iterable[type], fn: Callable[[type, tuple], None]) -> None:
+        """fn(etype, row) for every event of these types; row: its field values in declaration order."""
+        for t in ([etypes] if isinstance(etypes, type) else etypes):
+            _row_getter(t)                              # a type that is not a dataclass fails here, not later
+            self._row_subs.setdefault(t, []).append(fn)
+        self._changed()
+
+    def unsubscribe(self, fn: Callable) -> None:
+        for fs in (*self._subs.values(), *self._row_subs.values()):
             while fn in fs:
                 fs.remove(fn)
         self._changed()
 
     def _changed(self) -> None:
-        self._wanted = frozenset(t for t, fs in self._subs.items() if fs)
+        self._wanted = frozenset(t for subs in (self._subs, self._row_subs) for t, fs in subs.items() if fs)
         for cb in self.on_change:
             cb()
 
     def emit(self, event: Event) -> None:
-        for fn in self._subs.get(type(event), ()):
+        t = type(event)
+        rows = self._row_subs.get(t)
+        if rows:
+            self._deliver_row(rows, t, _row_getter(t)[0](event), event)
+        subs = self._subs.get(t)
+        if subs:
+            self.emit_objects(event, subs)
+
+    def emit_row(self, etype: type, row: tuple) -> None:
+        """emit(etype(*row)), building the event only for subscribers that take objects.
+        row must hold every field (a shorter one, relying on defaults, is built and emitted)."""
+        if len(row) != _row_getter(etype)[1]:
+            self.emit(etype(*row))
+            return
+        rows = self._row_subs.get(etype)
+        if rows:
+            self._deliver_row(rows, etype, row, None)
+        subs = self._subs.get(etype)
+        if subs:
+            self.emit_objects(etype(*row), subs)
+
+    def emit_objects(self, event: Event, subs) -> None:
+        for fn in subs:
             try:
                 fn(event)
             except Exception as e:           # a subscriber never breaks the engine
                 if self.on_error is None:
                     raise
                 self.on_error(fn, event, e)
+
+    def _deliver_row(self, fns, etype: type, row: tuple, event) -> None:
+        for fn in fns:
+            try:
+                fn(etype, row)
+            except Exception as e:
+                if self.on_error is None:
+                    raise
+                self.on_error(fn, event if event is not None else etype(*row), e)
+
+
+_ROW_GETTERS: dict[type, tuple] = {}
+
+
+def _row_getter(t: type) -> tuple:
+    """(event -> its field values as a tuple, number of fields) for an event dataclass."""
+    got = _ROW_GETTERS.get(t)
+    if got is None:
+        names = [f.name for f in dataclasses.fields(t)]
+        get = operator.attrgetter(*names) if len(names) > 1 else (lambda e, _n=names[0]: (getattr(e, _n),))
+        got = _ROW_GETTERS[t] = (get, len(names))
+    return got
 
 
 # ---- the log ---------------------------------------------------------------
@@ -326,7 +385,7 @@ class EventLog:
         # so a mutable object cannot change in the log after the event.
         self._deferred = {t for t in self._types
                           if all(_plain_annotation(f.type) for f in dataclasses.fields(t) if f.name not in _SKIP_COLUMNS)}
-        self._pending: dict[type, tuple] = {}      # type -> (seqs, rows, getter)
+        self._pending: dict[type, tuple] = {}      # type -> (seqs, rows, row picker: None keeps the row)
         self._counts: dict[type, int] = {}         # rows held in memory per type (columns + pending)
         self.bus = None
         if bus is not None:
@@ -334,33 +393,43 @@ class EventLog:
 
     def attach(self, bus: EventBus) -> None:
         self.bus = bus
-        bus.subscribe(self._types, self.record)
+        bus.subscribe_rows(self._types, self.record_row)
 
     def detach(self) -> None:
         if self.bus is not None:
-            self.bus.unsubscribe(self.record)
+            self.bus.unsubscribe(self.record_row)
             self.bus = None
 
     def record(self, e: Event) -> None:
         t = type(e)
+        self.record_row(t, _row_getter(t)[0](e))
+
+    def record_row(self, t: type, row: tuple) -> None:
+        """record() of an event given as its field values (EventBus.subscribe_rows)."""
         with self._lock:
             pend = self._pending.get(t)
             if pend is None:
                 pend = self._new_pending(t)
             pend[0].append(self.seq)
             self.seq += 1
-            pend[1].append(pend[2](e))
+            pend[1].append(row if pend[2] is None else pend[2](row))
             n = self._counts[t] = self._counts[t] + 1
             if self.max_rows is not None and n > self.max_rows:
                 self._spill(t, self._flush(t))
 
     def _new_pending(self, t: type) -> tuple:
         fields = self._fields[t]
-        get = operator.attrgetter(*fields) if len(fields) > 1 else (lambda e, _f=fields[0]: (getattr(e, _f),))
+        # A full row keeps the fields the log keeps, in order: as it is when that is all of them.
+        names = [f.name for f in dataclasses.fields(t)]
+        keep = [names.index(f) for f in fields]
+        pick = None
+        if keep != list(range(len(names))):
+            pick = (operator.itemgetter(*keep) if len(keep) > 1 else (lambda r, _i=keep[0]: (r[_i],)))
         if t not in self._deferred:
-            get = (lambda e, _g=get: tuple(map(_plain, _g(e))))
+            pick = ((lambda r: tuple(map(_plain, r))) if pick is None
+                    else (lambda r, _p=pick: tuple(map(_plain, _p(r)))))
         self._counts.setdefault(t, 0)
-        pend = self._pending[t] = ([], [], get)
+        pend = self._pending[t] = ([], [], pick)
         return pend
 
     def _flush(self, t: type) -> dict[str, list]:
@@ -371,7 +440,7 @@ class EventLog:
             cols = self._tables[t] = {"seq": [], **{f: [] for f in fields}}
         pend = self._pending.get(t)
         if pend is not None and pend[0]:
-            seqs, rows, _ = pend
+            seqs, rows = pend[0], pend[1]
             cols["seq"].extend(seqs)
             for f, values in zip(fields, zip(*rows)):
                 if set(map(type, values)) <= _KEPT_TYPES:       # the common case: kept as they came

@@ -56,7 +56,7 @@ def pool_observer(bus: EventBus, clock):
     the engine and the simulator; PagePool names the types (pages.POOL_EVENTS)."""
     def observer(etype, *fields):
         if bus.wants(etype):
-            bus.emit(etype(*clock(), *fields))
+            bus.emit_row(etype, (*clock(), *fields))     # the event is built only for those who take objects
     return observer
 
 

@@ -48,7 +48,8 @@ class KVCacheManager:
         memo = seq.hash_chain
         j = len(memo)
         if j <= i:
-            memo.extend(hash_chain(memo[-1][0] if memo else None, seq.page_keys(j, i + 1, self.page_size)))
+            ps = self.page_size
+            memo.extend(hash_chain(memo[-1][0] if memo else None, seq.page_keys(j, seq.pages_known(i, ps), ps)))
         return memo[i]
 
     def try_admit(self, seq: Sequence, budget: int, reserve_pages: int = 0) -> int:
@@ -77,8 +78,9 @@ class KVCacheManager:
             return 0
         rid = seq.request_id
         pool.acquire(hit_pages, rid)
-        seq.pages = hit_pages + pool.allocate(need, rid)
-        seq.page_generations = list(map(pool.generation.__getitem__, seq.pages))
+        new, gens = pool.allocate_with_generations(need, rid)
+        seq.pages = hit_pages + new
+        seq.page_generations = list(map(pool.generation.__getitem__, hit_pages)) + gens
         seq.page_hashes = hit_hashes
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
@@ -95,9 +97,9 @@ class KVCacheManager:
         pool = self.pool
         if need > pool.num_free:
             return False
-        new = pool.allocate(need, seq.request_id)
+        new, gens = pool.allocate_with_generations(need, seq.request_id)
         seq.pages.extend(new)
-        seq.page_generations.extend(map(pool.generation.__getitem__, new))
+        seq.page_generations.extend(gens)
         return True
 
     def release(self, seq: Sequence) -> None:

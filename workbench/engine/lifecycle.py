@@ -7,15 +7,11 @@ them.
 """
 from __future__ import annotations
 
-import operator
-
 from ..events import (BatchPacked, EventBus, RequestAdmitted, RequestFinished, RequestPreempted,
                       StepFinished)
+from . import seq_ops
 from .kv_manager import pages_for
 from .outputs import RequestRejected
-
-_request_id = operator.attrgetter("request_id")
-_computed = operator.attrgetter("num_computed_tokens")
 
 
 def check_prompt_len(n: int, max_model_len: int, num_pages: int, page_size: int) -> None:
@@ -69,13 +65,11 @@ def emit_schedule(bus: EventBus, step: int, t_ns: int, sched) -> None:
 def emit_packed(bus: EventBus, step: int, t_ns: int, sched, batch=None) -> None:
     """BatchPacked with the lengths of the scheduler's decision and the sequences' own state
     (not the builder's copies: a probe then checks the packed tensors against what was meant)."""
-    seqs, q = zip(*sched.scheduled) if sched.scheduled else ((), ())
+    rids, q, ctx = seq_ops.active().packed_columns(sched.scheduled)     # the simulator emits this every step
     tensors = () if batch is None else (batch.cu_seqlens_q, batch.cu_seqlens_k, batch.slot_mapping,
                                         batch.max_seqlen_q, batch.max_seqlen_k)
-    n_decode = q.count(1)            # map/zip, not generators: the simulator emits this every step
-    bus.emit(BatchPacked(step, t_ns, tuple(map(_request_id, seqs)), q,
-                         tuple(map(operator.add, map(_computed, seqs), q)), sum(q),
-                         len(q) - n_decode - q.count(0), n_decode, *tensors))
+    n_decode = q.count(1)
+    bus.emit(BatchPacked(step, t_ns, rids, q, ctx, sum(q), len(q) - n_decode - q.count(0), n_decode, *tensors))
 
 
 def emit_finished(bus: EventBus, step: int, t_ns: int, seq) -> None:
@@ -88,8 +82,7 @@ def emit_finished(bus: EventBus, step: int, t_ns: int, seq) -> None:
 
 def emit_step(bus: EventBus, step: int, t_ns: int, dt_ns: int, sched, pool, scheduler, bytes_weights: int = 0,
               bytes_kv_read: int = 0, bytes_kv_written: int = 0) -> None:
-    q_pre = sum(n for _, n in sched.scheduled if n > 1)
-    n_tok = sched.num_tokens
+    n_tok, q_pre = seq_ops.active().token_counts(sched.scheduled)
     bus.emit(StepFinished(step, t_ns, dt_ns, n_tok, len(sched.scheduled), q_pre, n_tok - q_pre, bytes_weights,
                           bytes_kv_read, bytes_kv_written, pool.num_used, pool.num_cached_free,
                           len(scheduler.running), len(scheduler.waiting), scheduler.num_preemptions))

@@ -131,6 +131,11 @@ class PagePool:
     # ---- allocation -------------------------------------------------------
     def allocate(self, n: int, owner: Owner) -> list[int]:
         """Hand out n pages to owner from the LRU head; a cached page handed out loses its hash."""
+        return self.allocate_with_generations(n, owner)[0]
+
+    def allocate_with_generations(self, n: int, owner: Owner) -> tuple[list[int], list[int]]:
+        """allocate(), and each page's new generation (what a sequence records to detect reuse:
+        the ints the hand-out made, not a second read of the array)."""
         if n > self.num_free:
             raise NoFreePages(f"asked for {n} pages, {self.num_free} free of {self.num_pages}")
         pages, gens, evicted, head = self._ops.take(self._next, self._prev, self._is_free, self.page_hash,
@@ -148,7 +153,7 @@ class PagePool:
             if evicted:
                 obs(PagesEvicted, tuple(evicted))
             obs(PagesAllocated, tuple(pages), tuple(gens), owner)
-        return pages
+        return pages, gens
 
     def acquire(self, pages: list[int], owner: Owner) -> None:
         """Take one more reference on each page for owner (prefix-cache hits); revives cached-free pages."""

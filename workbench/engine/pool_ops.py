@@ -144,21 +144,17 @@ PYTHON = SimpleNamespace(name="python", take=take, release=release, register_cha
 
 
 # ---- the compiled twin --------------------------------------------------------------------
-_lock = threading.Lock()
-_state: dict = {}
-
-
 def build_dir() -> Path:
     env = os.environ.get("PAGEDKV_EXTENSIONS_DIR")
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return (Path(env) if env else Path(xdg) / "pagedkv-workbench") / "pool_ops"
 
 
-def _build() -> Path:
-    src = SOURCE.read_bytes()
+def _build(source: Path = SOURCE, name: str = "pagedkv_pool_ops") -> Path:
+    src = source.read_bytes()
     tag = hashlib.sha256(src + sys.version.encode() + str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
     out_dir = build_dir()
-    so = out_dir / f"pagedkv_pool_ops-{tag.hexdigest()[:16]}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    so = out_dir / f"{name}-{tag.hexdigest()[:16]}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if so.exists():
         return so
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +162,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        cmd = cc + ["-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", tmp]
+        cmd = cc + ["-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:1])} failed: {(done.stderr or done.stdout).strip()[-400:]}")
@@ -177,39 +173,57 @@ def _build() -> Path:
     return so
 
 
-def _load():
-    so = _build()
-    loader = importlib.machinery.ExtensionFileLoader("pagedkv_pool_ops", str(so))
-    spec = importlib.util.spec_from_file_location("pagedkv_pool_ops", str(so), loader=loader)
+def load_extension(source: Path, name: str):
+    """Compile (once per machine and source) and import the C module `name` from `source`."""
+    so = _build(source, name)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(so))
+    spec = importlib.util.spec_from_file_location(name, str(so), loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
+    return mod
+
+
+def _load():
+    mod = load_extension(SOURCE, "pagedkv_pool_ops")
     return SimpleNamespace(name="compiled", take=mod.take, release=mod.release, register_chain=mod.register_chain,
                            walk=mod.walk, hash_chain=mod.hash_chain, count_free=mod.count_free)
 
 
-def compiled():
-    """The compiled loops, or None (why: unavailable_reason())."""
-    if "ops" not in _state:
-        with _lock:
-            if "ops" not in _state:
-                ops, why = None, None
-                if os.environ.get("PAGEDKV_POOL", "auto") == "python":
-                    why = "PAGEDKV_POOL=python"
-                else:
-                    try:
-                        ops = _load()
-                    except Exception as e:         # no compiler, no headers, a read-only cache ...
-                        why = f"{type(e).__name__}: {e}"
-                        log.warning("compiled page-pool loops unavailable (%s): using the Python ones", why)
-                _state["ops"], _state["why"] = ops, why
-    return _state["ops"]
+class CompiledOnce:
+    """A C twin of some Python loops (python: their namespace), built and loaded on first use by
+    make(); None, with the reason, where it cannot be (no compiler, no headers, a read-only
+    cache, PAGEDKV_POOL=python)."""
+
+    def __init__(self, make, what: str, python):
+        self._make, self._what, self.python = make, what, python
+        self._lock = threading.Lock()
+        self.state: dict = {}                  # "ops" (None when unavailable) and "why", once tried
+
+    def get(self):
+        """The compiled loops, or None (why: why())."""
+        if "ops" not in self.state:
+            with self._lock:
+                if "ops" not in self.state:
+                    ops, why = None, None
+                    if os.environ.get("PAGEDKV_POOL", "auto") == "python":
+                        why = "PAGEDKV_POOL=python"
+                    else:
+                        try:
+                            ops = self._make()
+                        except Exception as e:
+                            why = f"{type(e).__name__}: {e}"
+                            log.warning("compiled %s unavailable (%s): using the Python ones", self._what, why)
+                    self.state["ops"], self.state["why"] = ops, why
+        return self.state["ops"]
+
+    def why(self) -> str | None:
+        self.get()
+        return self.state.get("why")
+
+    def active(self):
+        """What a new user runs: the compiled loops when they load, else the Python ones."""
+        return self.get() or self.python
 
 
-def active():
-    """What a new PagePool runs: the compiled loops when they load, else the Python ones."""
-    return compiled() or PYTHON
-
-
-def unavailable_reason() -> str | None:
-    compiled()
-    return _state.get("why")
+_compiled = CompiledOnce(_load, "page-pool loops", PYTHON)
+compiled, active, unavailable_reason = _compiled.get, _compiled.active, _compiled.why

@@ -12,6 +12,7 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import seq_ops
 from .kv_manager import KVCacheManager
 from .sequence import Sequence, SeqStatus
 
@@ -40,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._ops = seq_ops.active()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -51,31 +53,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        kv, running, append = self.kv, self.running, out.scheduled.append
+        kv, running, scheduled = self.kv, self.running, out.scheduled
         ps = kv.page_size
+        fit = self._ops.fit_running
         i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            c = seq.num_computed_tokens
-            n = min(seq.num_tokens - c, budget)
-            # kv.grow's own first test, inlined: most steps most sequences are decodes whose last
-            # page still has room (this loop runs once per running sequence and step)
-            if c + n > len(seq.pages) * ps:
-                while not kv.grow(seq, n):
-                    victim = running.pop()        # latest admitted goes first
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                    if victim is seq:
-                        break
-                else:
-                    append((seq, n))
-                    budget -= n
-                    i += 1
-                    continue
+        while True:
+            # Sequences whose tokens fit the pages they map, in one call (seq_ops: compiled where
+            # it builds); it stops at the first that needs pages: grow it, or preempt for it.
+            i, budget = fit(running, i, budget, ps, scheduled)
+            if i >= len(running) or budget <= 0:
                 break
-            append((seq, n))
-            budget -= n
-            i += 1
+            seq = running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not kv.grow(seq, n):
+                victim = running.pop()            # latest admitted goes first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

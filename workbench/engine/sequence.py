@@ -86,6 +86,11 @@ class Sequence:
         """page_key of pages start..stop-1 (the prefix cache hashes them in one go)."""
         return [self.page_key(i, page_size) for i in range(start, stop)]
 
+    def pages_known(self, i: int, page_size: int) -> int:
+        """How many of its pages' contents are known when page i's is asked for (the prefix
+        cache hashes them in one go): up to page i; later tokens are not generated yet."""
+        return i + 1
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)

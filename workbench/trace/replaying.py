@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import operator
 import time
 from dataclasses import dataclass, field
-from itertools import repeat
 
+from ..engine import seq_ops
 from ..engine.sequence import SamplingParams
 from .schema import Trace
 from .simulate import Simulator, StepCost
@@ -46,16 +45,6 @@ STEP_COLUMNS = ["step", "clock_s", "num_tokens", "pages_used", "waste_slots", "p
                 "num_running", "num_waiting", "num_preemptions", "usage"]
 
 
-def _mapped(running, ps: int) -> tuple[int, int]:
-    """(slots left empty in the running sequences' last pages, pages they map)."""
-    waste = sum(map(operator.mod, map(operator.neg, map(_computed, running)), repeat(ps)))
-    return waste, sum(map(len, map(_pages, running)))
-
-
-_computed = operator.attrgetter("num_computed_tokens")
-_pages = operator.attrgetter("pages")
-
-
 def _full_driver(engine, vocab, seed, length_scale, max_plen, cost):
     """add(record, index, n_out) -> request id; step(clock) -> (tokens, clock after, finished, step row)."""
     first_tok: dict = {}
@@ -76,8 +65,8 @@ def _full_driver(engine, vocab, seed, length_scale, max_plen, cost):
                 done.append((o.request_id, len(o.token_ids), o.num_preemptions, o.num_cached_tokens,
                              len(o.prompt_token_ids), first_tok[o.request_id]))
         st = engine.stats()
-        waste, mapped = _mapped(engine.scheduler.running, engine.config.page_size)   # a fault may re-page
-        row = (st["steps"], clock, n, st["pages_used"], waste, mapped, st["pages_cached"], st["num_running"],
+        waste, n_mapped = seq_ops.active().mapped(engine.scheduler.running, engine.config.page_size)  # a fault may re-page
+        row = (st["steps"], clock, n, st["pages_used"], waste, n_mapped, st["pages_cached"], st["num_running"],
                st["num_waiting"], st["num_preemptions"], st["kv_cache_usage"])
         return n, clock, done, row
     return add, step
@@ -85,6 +74,7 @@ def _full_driver(engine, vocab, seed, length_scale, max_plen, cost):
 
 def _sim_driver(sim: Simulator, length_scale, max_plen):
     pool, sched, ps = sim.pool, sim.scheduler, sim.config.page_size
+    mapped = seq_ops.active().mapped
 
     def add(r, i, n_out):
         plen = scaled_length(r.prompt_len, length_scale)
@@ -99,9 +89,9 @@ def _sim_driver(sim: Simulator, length_scale, max_plen):
         n, clock = sim.last_num_tokens, sim.clock         # the simulator's clock ran by the same cost
         done = [(s.request_id, s.num_output, s.num_preemptions, s.num_cached_tokens, s.prompt_len,
                  s.first_token_time) for s in sim.last_finished]
-        waste, mapped = _mapped(sched.running, ps)
+        waste, n_mapped = mapped(sched.running, ps)
         used = pool.num_pages - pool.num_free
-        row = (sim.step_count, clock, n, used, waste, mapped, pool.num_cached_free, len(sched.running),
+        row = (sim.step_count, clock, n, used, waste, n_mapped, pool.num_cached_free, len(sched.running),
                len(sched.waiting), sched.num_preemptions, used / pool.num_pages)
         return n, clock, done, row
     return add, step

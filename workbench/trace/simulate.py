@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import lifecycle
+from ..engine import lifecycle, seq_ops
 from ..engine.config import EngineConfig
 from ..engine.instrumentation import pool_observer, wants_pool_events
 from ..engine.sequence import SamplingParams, Sequence
@@ -66,6 +66,11 @@ class SimSequence(Sequence):
     @property
     def num_output_tokens(self) -> int:
         return self.num_output
+
+    def pages_known(self, i: int, ps: int) -> int:
+        # Every page it will fill is known from the start (the prompt's hash ids, then unique
+        # content): hashed in one call, not one call per page filled while it decodes.
+        return max(i + 1, (self.stop_at - 1) // ps)
 
     def append_token(self, token_id: int = 0) -> None:
         self.num_tokens += 1
@@ -137,6 +142,7 @@ class Simulator:
         self.last_num_tokens = 0
         self.last_finished: list[SimSequence] = []     # the sequences the last step finished
         self._next_id = 0
+        self._ops = seq_ops.active()
         self.bus.on_change.append(self._rewire)
         self._rewire()
 
@@ -178,25 +184,20 @@ class Simulator:
         dt = self.cost(n_tok) if scheduled else 0.0
         self.clock += dt
         clock = self.clock
-        produced, finished = [], []
+        produced, special, finished = [], [], []
         kv, ps = self.kv_manager, self.config.page_size
         register = kv.enable_prefix_caching
-        for seq, n in scheduled:
-            c = seq.num_computed_tokens + n
-            seq.num_computed_tokens = c
-            if register and c // ps > len(seq.page_hashes):       # a page filled: cache_full_pages' own test
+        # Every sequence advanced in one call (seq_ops: compiled where it builds); the few whose
+        # page filled or whose length rule stops them come back, in batch order, for the pool work.
+        self._ops.advance(scheduled, ps, register, clock, produced, special)
+        for seq, done in special:
+            if register and seq.num_computed_tokens // ps > len(seq.page_hashes):
                 kv.cache_full_pages(seq)
-            if c == seq.num_tokens:
-                seq.num_tokens = c + 1                            # append_token, inlined
-                seq.num_output += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = clock
-                if c + 1 >= seq.stop_at:                          # no token ids here: the length rule only
-                    self.scheduler.finish(seq, "length")
-                    seq.finish_time = clock
-                    finished.append(seq)
-                    lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)
-                produced.append(seq)
+            if done:                                              # its last token: the length rule
+                self.scheduler.finish(seq, "length")
+                seq.finish_time = clock
+                finished.append(seq)
+                lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)
         self.last_finished = finished
         if bus.wants(StepFinished):
             lifecycle.emit_step(bus, step, int(clock * 1e9), int(dt * 1e9), sched, self.pool, self.scheduler)

@@ -282,13 +282,13 @@ static PyObject *register_chain(PyObject *self, PyObject *args) {
             goto fail_parent;
         }
         if (PyList_GET_ITEM(page_hash, p) == Py_None) {
-            int has = PyDict_Contains(cached, h);
-            if (has < 0) goto fail_parent;
-            if (!has) {
+            /* one probe of the index, not two (contains, then set): the dict grows iff h was new */
+            Py_ssize_t size = PyDict_GET_SIZE(cached);
+            if (PyDict_SetDefault(cached, h, pobj) == NULL) goto fail_parent;
+            if (PyDict_GET_SIZE(cached) != size) {
                 PyObject *iobj = PyLong_FromSsize_t(index);
                 if (iobj == NULL) goto fail_parent;
-                if (PyDict_SetItem(cached, h, pobj) < 0 || PyList_Append(entered, pobj) < 0 ||
-                    PyList_Append(indices, iobj) < 0) {
+                if (PyList_Append(entered, pobj) < 0 || PyList_Append(indices, iobj) < 0) {
                     Py_DECREF(iobj);
                     goto fail_parent;
                 }
