@@ -36,12 +36,14 @@ step's threads got (wall x cpu_share), so a busy host does not read as a slower 
 Also a config check, at attach and whenever the page size changes: a page size that
 is not a power of two >= 16 has no paged kernel and runs a slow fallback (field note 8).
 
-On Ascend, msprof's hbm_*.csv gives the bandwidth the hardware saw:
-read_msprof_hbm() reads it.
+On Ascend, msprof's summaries say what the hardware saw (probes/msprof.py): read_msprof_hbm()
+reads hbm_*.csv (HBM read/write bandwidth per memory unit), read_msprof_op_summary() reads
+op_summary_*.csv (one row per kernel launch) and kernel_durations() sums it per OP Type (calls,
+total / mean / p50 / p99 us, share). BandwidthProbe(msprof_dir=...).hbm() and .kernels() read them
+from the probe's msprof output folder.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -54,6 +56,7 @@ from collections import Counter, deque
 from pathlib import Path
 from statistics import median
 
+from probes.msprof import kernel_durations, read_msprof_hbm, read_msprof_op_summary  # noqa: F401 (re-exported)
 from workbench.events import BlockTableBound, StepFinished
 from workbench.probe import Probe
 
@@ -63,8 +66,11 @@ BASELINE_FORMAT = "pagedkv-workbench bandwidth baselines"
 BASELINE_VERSION = 1
 
 
-def page_size_supported(ps: int) -> bool:
-    """What paged kernels take: a power of two >= 16 (Ascend: a multiple of 16, 128 recommended)."""
+def page_size_supported(ps: int, backend: str | None = None) -> bool:
+    """What paged kernels take: a power of two >= 16; on the npu backend what torch_npu's paged
+    ops take, a multiple of 16 up to 512 (128 recommended)."""
+    if backend == "npu":
+        return ps % 16 == 0 and 16 <= ps <= 512
     return ps >= 16 and ps & (ps - 1) == 0
 
 
@@ -398,9 +404,9 @@ class BandwidthProbe(Probe):
         e = self.engine
         ps = e.pool.page_size
         self._checked_page_size = ps
-        if page_size_supported(ps):
-            return
         backend = getattr(e.attn, "name", type(e.attn).__name__)
+        if page_size_supported(ps, backend):
+            return
         self.report(
             "error",
             f"page_size={ps} is not a power of two >= 16: paged-attention kernels (Ascend PagedAttention, "
@@ -454,7 +460,8 @@ class BandwidthProbe(Probe):
         thr = self.threshold if decode_only else self.mixed_threshold
         judged = status == "judged"
         low = judged and ratio < thr
-        learned = (self.learn and big and not starved and not low and page_size_supported(ps))
+        learned = (self.learn and big and not starved and not low
+                   and page_size_supported(ps, getattr(self.engine.attn, "name", None)))
         self.rows.append({
             "step": e.step, "bytes": nbytes, "bytes_weights": e.bytes_weights,
             "bytes_kv_read": e.bytes_kv_read, "bytes_kv_written": e.bytes_kv_written,
@@ -501,7 +508,7 @@ class BandwidthProbe(Probe):
                f"{gbs_med:.3g} GB/s{per} against a baseline of {base:.3g} GB/s (p{self.baseline_quantile * 100:.0f} "
                f"of {nsamp} clean steps at page_size {bps}, backend '{bback}'; now page_size {ps}, "
                f"backend '{backend}'){peak}")
-        if not page_size_supported(ps):
+        if not page_size_supported(ps, backend):
             cause = (f"page_size={ps} runs the '{backend}' fallback (the baseline ran at page_size {bps} on "
                      f"'{bback}'): {PAGE_SIZE_FIX}")
         elif bps != ps or bback != backend:
@@ -538,76 +545,21 @@ class BandwidthProbe(Probe):
         import pandas as pd
         return pd.DataFrame(self.rows, columns=self.COLUMNS)
 
+    def _msprof(self, path):
+        p = path or self.msprof_dir
+        if not p:
+            raise ValueError("no msprof output folder: BandwidthProbe(msprof_dir=...) or pass a path "
+                             "(the PROF_* folder msprof --output wrote)")
+        return p
+
     def hbm(self, path: str | None = None):
         """msprof's HBM bandwidth (read_msprof_hbm) with each row's share of the measured peak."""
-        df = read_msprof_hbm(path or self.msprof_dir)
+        df = read_msprof_hbm(self._msprof(path))
         if self.peak_gbs:
             df["share_of_peak"] = df["total_gbs"] / self.peak_gbs
         return df
 
-
-# ---- msprof -------------------------------------------------------------------------
-HBM_COLUMNS = ("Device_id", "Metric", "Read(MB/s)", "Write(MB/s)")
-
-
-def _rate(text: str, where: str, col: str) -> float:
-    t = text.strip()
-    if t.upper() in ("N/A", "NA", ""):          # msprof writes N/A where a unit reported nothing
-        return math.nan
-    try:
-        v = float(t)
-    except ValueError:
-        raise ValueError(f"{where}: {col} is {text!r}, not a number") from None
-    if v < 0 or math.isinf(v):
-        raise ValueError(f"{where}: {col} is {text!r}: a bandwidth is finite and >= 0")
-    return v
-
-
-def _read_hbm_file(path: Path) -> list[dict]:
-    rows = []
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
-        header = None
-        for lineno, fields in enumerate(reader, start=1):
-            if not fields or all(not f.strip() for f in fields):
-                continue
-            where = f"{path}:{lineno}"
-            if header is None:
-                header = [f.strip() for f in fields]
-                missing = [c for c in HBM_COLUMNS if c not in header]
-                if missing:
-                    raise ValueError(f"{where}: header {header} lacks {missing}; msprof hbm_*.csv has "
-                                     f"{', '.join(HBM_COLUMNS)}")
-                idx = {c: header.index(c) for c in HBM_COLUMNS}
-                continue
-            if len(fields) != len(header):
-                raise ValueError(f"{where}: {len(fields)} fields, the header has {len(header)}")
-            dev = fields[idx["Device_id"]].strip()
-            if not dev.isdigit():
-                raise ValueError(f"{where}: Device_id is {dev!r}, not a device number")
-            metric = fields[idx["Metric"]].strip()
-            if not metric:
-                raise ValueError(f"{where}: Metric is empty")
-            r = _rate(fields[idx["Read(MB/s)"]], where, "Read(MB/s)")
-            w = _rate(fields[idx["Write(MB/s)"]], where, "Write(MB/s)")
-            rows.append({"file": str(path), "line": lineno, "device_id": int(dev), "metric": metric,
-                         "read_mbs": r, "write_mbs": w})
-        if header is None:
-            raise ValueError(f"{path}:1: empty file, expected the header {', '.join(HBM_COLUMNS)}")
-    return rows
-
-
-def read_msprof_hbm(path_or_dir) -> "pd.DataFrame":
-    """msprof's hbm_*.csv (a file, or every one under a directory) as a DataFrame:
-    file, line, device_id, metric (the memory unit), read_mbs, write_mbs, total_gbs.
-
-    A malformed row raises ValueError naming file:line."""
-    import pandas as pd
-    p = Path(path_or_dir)
-    files = sorted(p.rglob("hbm_*.csv")) if p.is_dir() else [p]
-    if not files:
-        raise FileNotFoundError(f"no hbm_*.csv under {p} (msprof writes them to the summary folder)")
-    rows = [r for f in files for r in _read_hbm_file(f)]
-    df = pd.DataFrame(rows, columns=["file", "line", "device_id", "metric", "read_mbs", "write_mbs"])
-    df["total_gbs"] = (df["read_mbs"] + df["write_mbs"]) / 1000.0
-    return df
+    def kernels(self, path: str | None = None):
+        """Kernel durations per OP Type from msprof's op_summary_*.csv (kernel_durations): where the
+        device time of a step went, e.g. PagedAttentionMaskNdKernel against the matmuls."""
+        return kernel_durations(read_msprof_op_summary(self._msprof(path)))

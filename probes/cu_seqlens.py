@@ -7,7 +7,11 @@ FlashInfer and the Ascend ops nothing, so a wrong entry silently makes attention
 the wrong span. The checks are plain functions (check_cu_seqlens, and
 check_actual_seq_lengths for torch_npu's cumulative lengths without the leading 0),
 so a test or a notebook can run them on any tensor; the probe runs them on every
-BatchPacked event (or every `every`-th step).
+BatchPacked event (or every `every`-th step). On the NPU path (attention/npu.py) the ops do
+not take cu_seqlens: the probe also reads, at layer 0 of the forward, the lists the plan hands
+npu_fused_infer_attention_score (actual_seq_lengths, cumulative, for the batch and the
+prefill call of a mixed step; actual_seq_lengths_kv, one context length per sequence) and
+checks them against the scheduler's lengths of that step's BatchPacked.
 
 Cost: one [B+1] host read per tensor per checked step (a device sync off CPU; raise
 `every` to sample) and a few numpy ops.
@@ -20,8 +24,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from workbench.engine import instrumentation
 from workbench.events import BatchPacked
 from workbench.probe import Probe
+
+from .packing import FirstLayerTap
 
 RULES = ("dtype", "contiguous", "device", "length", "start", "decreasing", "empty", "total", "segment",
          "max_seqlen")
@@ -153,6 +160,28 @@ def check_actual_seq_lengths(t: Any, total: int, *, num_seqs: int | None = None,
     return sorted(out, key=lambda x: (x.index, RULES.index(x.rule)))
 
 
+def check_seq_lengths_kv(t: Any, lengths: Sequence[int], name: str = "actual_seq_lengths_kv") -> list[Violation]:
+    """torch_npu's paged TND `actual_seq_lengths_kv`: one context length per sequence (not cumulative,
+    as vllm-ascend passes them with a block table), each equal to the scheduled context."""
+    v = _values(t)
+    if v is None:
+        return []
+    want = np.asarray(lengths, dtype=np.int64)
+    if len(v) != len(want):
+        return [Violation("length", min(len(v), len(want)) - 1,
+                          f"{name} has {len(v)} entries, a batch of {len(want)} sequences needs {len(want)}")]
+    bad = np.nonzero(v != want)[0]
+    return [Violation("segment", int(i), f"{name}[{i}]={v[i]}, the sequence's context is {want[i]} tokens")
+            for i in bad[:8]]
+
+
+def _in_batch(v: Violation, rows: list[int]) -> Violation:
+    """A violation of a call's own list (the prefill rows of a mixed step), indexed by batch row."""
+    if 0 <= v.index < len(rows) and rows != list(range(len(rows))):
+        return Violation(v.rule, rows[v.index], v.message)
+    return v
+
+
 class CuSeqlensProbe(Probe):
     name = "cu_seqlens"
     description = "cu_seqlens_q / _k of every packed batch: int32, contiguous, device, B+1, 0..total, monotone"
@@ -166,8 +195,43 @@ class CuSeqlensProbe(Probe):
 
     def on_attach(self, engine) -> None:
         self.listen(BatchPacked, self.on_batch)
+        self._packed = None
+        # torch_npu's ops take the lengths from the attention plan, not from cu_seqlens: read
+        # what the plan hands them (layer 0, before any attention runs)
+        self._tap = FirstLayerTap(self.guard(self.on_plan))
+        instrumentation.add_tap(engine, self._tap)
+
+    def on_detach(self, engine) -> None:
+        instrumentation.remove_tap(engine, self._tap)
+        self._packed = None
+
+    def on_plan(self, batch) -> None:
+        """The cumulative lengths the NPU ops get (NpuPlan: actual_seq_lengths for the batch and the
+        prefill call's own, actual_seq_lengths_kv per sequence), against the scheduler's lengths
+        of this step's BatchPacked."""
+        plan, e = getattr(batch, "attn_plan", None), self._packed
+        if plan is None or not hasattr(plan, "actual_seq_lengths") or e is None or e.step != self.engine.step_count:
+            return
+        if e.step % self.every:
+            return
+        q, ctx, n = list(e.query_lens), list(e.context_lens), len(e.request_ids)
+        checks = [("actual_seq_lengths", plan.actual_seq_lengths, q, ctx, list(range(n)))]
+        rows = getattr(plan, "prefill_rows", None)
+        if getattr(plan, "prefill_seq_lengths", None) is not None and rows is not None and len(rows) < n:
+            rows = [int(r) for r in rows]                  # the prefill call of a mixed step: its own rows
+            checks.append(("prefill actual_seq_lengths", plan.prefill_seq_lengths, [q[r] for r in rows],
+                           [ctx[r] for r in rows], rows))
+        for name, ends, lengths, kv_lengths, rows in checks:
+            found = check_actual_seq_lengths(ends, int(sum(lengths)), num_seqs=len(rows), lengths=lengths, name=name)
+            kv_name = name.replace("actual_seq_lengths", "actual_seq_lengths_kv")
+            kv = plan.actual_seq_lengths_kv if name == "actual_seq_lengths" else plan.prefill_seq_lengths_kv
+            for v in found:
+                self._report(e, name, ends, lengths, _in_batch(v, rows))
+            for v in check_seq_lengths_kv(kv, kv_lengths, name=kv_name):
+                self._report(e, kv_name, kv, kv_lengths, _in_batch(v, rows))
 
     def on_batch(self, e: BatchPacked) -> None:
+        self._packed = e
         if e.step % self.every:
             return
         self.batches_checked += 1

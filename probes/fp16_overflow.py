@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workbench.engine import instrumentation
+from workbench.engine import instrumentation, kv_scale
 from workbench.engine.attention.native import row_absmax
 from workbench.engine.model import rms_norm
 from workbench.probe import Probe
@@ -84,8 +84,7 @@ class FP16OverflowProbe(Probe):
     def on_attach(self, engine) -> None:
         m = engine.model
         self._L = engine.model_config.num_layers
-        self._kv_fp16 = engine.kv_dtype == torch.float16 and not getattr(engine, "kv_scaled", False)
-        self._kv_scaled = bool(getattr(engine, "kv_scaled", False))
+        self._cache_kind(engine)
         self._act_fp16 = m.dtype == torch.float16
         self._score_scale = engine.attn.scale
         self._q, self._recompute = None, False
@@ -103,6 +102,16 @@ class FP16OverflowProbe(Probe):
         self.measured_steps = 0
 
     # ---- taps (inside Model.forward) -----------------------------------------------
+    def _cache_kind(self, engine) -> None:
+        # The headroom judged is that of the cache the kernels actually write (its tensors'
+        # dtype and per-page scales), not the configured name: a backend or a re-page that
+        # stores another dtype is judged by what it stores.
+        cache = engine.kv.k[0] if engine.kv is not None and engine.kv.k else None
+        scaled = cache is not None and kv_scale.page_scale(cache) is not None
+        self._kv_dtype = cache.dtype if cache is not None else engine.kv_dtype
+        self._kv_fp16 = self._kv_dtype == torch.float16 and not scaled
+        self._kv_scaled = scaled
+
     def _begin(self, batch) -> None:
         step = self.engine.step_count
         if self._first_step is None:
@@ -110,6 +119,7 @@ class FP16OverflowProbe(Probe):
         self._active = (step - self._first_step) % self.every == 0
         if not self._active:
             return
+        self._cache_kind(self.engine)
         L = self._L
         self._tk, self._tv, self._th = [None] * L, [None] * L, [None] * L
         self._qk = [None] * L

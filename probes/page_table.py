@@ -10,7 +10,9 @@ kernels read (not its version stamp):
 - page ids outside [0, num_pages) (kernels do not validate them);
 - all-zero rows for sequences that map non-zero pages (vllm #7003);
 - stale binding, the cheap first signal: the version a kernel read
-  (AttentionRead.block_table_version) is not the one current for the step.
+  (AttentionRead.block_table_version) is not the one current for the step;
+- the tables a backend hands its kernels when they are not the bound table itself (the NPU
+  ops of a mixed step each get their rows: plan.op_tables()), row by row against the pages.
 On every freed page (PagesFreed): a page freed while a live sequence still maps it.
 Every `every` steps (StepFinished), a scan of the live page tables against the pool:
 - pages mapped by a live sequence but free in the pool;
@@ -154,6 +156,49 @@ class PageTableProbe(Probe):
         wrong = [m for m in invariants.compare_table(a, ref, "block_tables", num_pages=n) if m.row not in zero_rows]
         if wrong:
             self._report_mismatch(batch, ref, a, raw, wrong, step)
+        self.check_op_tables(batch, ref, a, n, step)
+
+    def check_op_tables(self, batch, ref, bound: np.ndarray, n: int, step: int) -> None:
+        """Backends whose kernels get tables of their own (the NPU ops: a mixed step hands each call
+        its rows, index_select copies) say so in their plan (op_tables()); each table as passed is
+        checked row by row against the page list of the sequence in that batch row. A row equal to
+        the bound table's was judged above; what is reported here is where the call's copy differs."""
+        plan = getattr(batch, "attn_plan", None)
+        tables = plan.op_tables() if hasattr(plan, "op_tables") else ()
+        for op, t, rows in tables:
+            if t is batch.block_tables:
+                continue                                  # the bound table itself: checked above
+            got = t.detach().to("cpu").numpy().astype(np.int64)
+            rows = np.asarray(rows, dtype=np.int64)
+            if got.ndim != 2 or got.shape[0] != len(rows):
+                self.report("error", f"{op} is given a block table of shape {tuple(got.shape)} for {len(rows)} rows",
+                            hint=HINT_MISMATCH, kind="op-table-shape", dedup=("op-table-shape", op), step=step,
+                            evidence={"op": op, "shape": list(got.shape), "rows": rows[:64].tolist()})
+                continue
+            found = 0
+            for k, r in enumerate(rows.tolist()):
+                if not 0 <= r < len(ref.need) or ref.short[r]:
+                    continue
+                w = min(int(ref.need[r]), got.shape[1])
+                bad = np.nonzero(got[k, :w] != ref.table[r, :w])[0]
+                if not len(bad) or (r < bound.shape[0] and w <= bound.shape[1]
+                                    and np.array_equal(got[k, :w], bound[r, :w])):
+                    continue
+                c = int(bad[0])
+                seq, pid, meant = batch.seqs[r], int(got[k, c]), int(ref.table[r, c])
+                outside = not 0 <= pid < n
+                self.report(
+                    "critical" if outside else "error",
+                    f"request {seq.request_id}: {op} reads page {pid} at column {c} (its row {k}, batch row {r}); "
+                    f"the request maps page {meant} there" + (f" (outside the pool [0, {n}))" if outside else ""),
+                    hint=HINT_RANGE if outside else HINT_MISMATCH,
+                    kind="page-out-of-range" if outside else "op-table-mismatch",
+                    dedup=("op-table", op, seq.request_id, pid), step=step, request_id=seq.request_id, page=pid,
+                    evidence={"op": op, "op_row": k, "row": r, "column": c, "page_read": pid, "page_meant": meant,
+                              "columns_wrong": bad[:16].tolist(), "num_pages": n})
+                found += 1
+                if found >= MAX_PER_CHECK:
+                    break
 
     def _report_mismatch(self, batch, ref, a: np.ndarray, raw, wrong: list, step: int) -> None:
         bt = self.engine.builder.block_tables

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,106 @@ def test_console_script(tmp_path):
     report = json.loads(proc.stdout)
     assert {"torch", "torch_npu", "device", "dtypes", "bandwidth_gbs", "matmul_gflops", "threads", "default_model"} <= set(report)
     assert report["bandwidth_gbs"] > 1 and report["matmul_gflops"] > 1
+
+
+
+# --- the Ascend side: npu_info and the doctor's npu rows ----------------------------------
+
+_DECLARED = object()
+
+
+def _doctor_rows(capsys, monkeypatch, torch_npu, backend=_DECLARED):
+    """kvwb doctor's rows as {label: value}, `torch_npu` (None: absent) being what imports and
+    `backend` the npu attention module (default: one declaring its limits; None: not built)."""
+    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(dev, "_import_torch_npu", lambda: torch_npu)
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
+    real = cli._dist_version
+    monkeypatch.setattr(cli, "_dist_version", lambda name: None if "npu" in name else real(name))
+    if backend is _DECLARED:                          # the backend module itself: doctor states its limits
+        import workbench.engine.attention.npu as backend
+    monkeypatch.setitem(sys.modules, "workbench.engine.attention.npu", backend)   # None: import fails
+    assert cli.main(["doctor", "--device", "cpu"]) == 0
+    return {k: v.strip() for k, v in (ln.strip().split(": ", 1) for ln in capsys.readouterr().out.splitlines()[1:])}
+
+
+def _fake_torch_npu(npu=None, **attrs):
+    mod = types.ModuleType("torch_npu")
+    mod.__version__, mod.IS_DOUBLE = "2.5.1.post1", True
+    mod.npu = npu or types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: 2, get_device_name=lambda i: "Ascend910B3",
+        get_device_properties=lambda i: types.SimpleNamespace(total_memory=64 << 30))
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    return mod
+
+
+def test_doctor_without_torch_npu_says_so_in_one_line(capsys, monkeypatch):
+    rows = _doctor_rows(capsys, monkeypatch, None)
+    assert [k for k in rows if "npu" in k.lower() or k in ("CANN", "HBM")] == ["torch_npu"]
+    assert rows["torch_npu"] == cli.NO_NPU
+    assert dev.npu_info() is None and cli.doctor_report("cpu")["npu"] is None
+
+
+def test_doctor_with_a_torch_npu_double(capsys, monkeypatch, tmp_path):
+    home = tmp_path / "ascend-toolkit" / "latest"
+    (home / "x86_64-linux").mkdir(parents=True)
+    (home / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=8.0.RC2\narch=x86_64\n")
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(home))
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    rows = _doctor_rows(capsys, monkeypatch, _fake_torch_npu())
+    assert rows["torch_npu"] == "2.5.1.post1 (CPU double: no NPU; PAGEDKV_NPU_DOUBLE=1)"
+    assert rows["CANN"].startswith("8.0.RC2 (") and "ascend_toolkit_install.info" in rows["CANN"]
+    assert rows["npu device"] == "Ascend910B3 (2 visible)"
+    assert rows["HBM"] == "64.0 GiB (npu:0)"
+    assert rows["npu backend"] == ("dtypes bfloat16, float16; block size a multiple of 16 up to 512 (128 recommended); "
+                                   "head size <= 256")
+    report = cli.doctor_report("cpu")
+    assert report["npu"]["is_double"] is True and report["npu"]["hbm_bytes"] == 64 << 30
+    json.dumps(report, default=str)                                   # --json still serialises
+
+
+def test_doctor_no_npu_visible_backend_not_built_cann_from_version_cfg(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    (tmp_path / "version.cfg").write_text("# version: 1.0\nruntime_running_version=[7.6.0.1.220:8.0.0]\n")
+    fake = _fake_torch_npu(types.SimpleNamespace(is_available=lambda: False), IS_DOUBLE=False)
+    rows = _doctor_rows(capsys, monkeypatch, fake, backend=None)
+    assert rows["torch_npu"] == "2.5.1.post1"
+    assert rows["CANN"].startswith("8.0.0 (") and rows["npu backend"] == "not built in this version"
+    assert rows["npu device"].startswith("none visible: torch.npu.is_available() is False")
+    assert rows["HBM"] == "n/a (no NPU)"
+
+
+class _Broken:
+    """A device module whose every call fails, as a driver without its firmware does."""
+
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise RuntimeError(f"{name}: drvGetDevNum failed (error 87)")
+        return fail if name != "is_available" else (lambda: True)
+
+
+def test_npu_info_survives_a_torch_npu_whose_calls_raise(capsys, monkeypatch, tmp_path):
+    def boom(name):                       # module __getattr__: every missing attribute raises
+        raise RuntimeError(f"torch_npu.{name}: ACL not initialised")
+    fake = types.ModuleType("torch_npu")
+    fake.__getattr__, fake.npu = boom, _Broken()
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path / "nowhere"))
+    rows = _doctor_rows(capsys, monkeypatch, fake)
+    info = dev.npu_info()
+    assert info["torch_npu"] is None and info["is_double"] is False and info["cann"] is None
+    assert info["available"] is True and info["device_count"] == 0
+    assert "drvGetDevNum failed" in info["reasons"]["device_count"] and "ACL" in info["reasons"]["torch_npu"]
+    assert rows["torch_npu"].startswith("version unknown (RuntimeError: torch_npu.__version__")
+    assert rows["CANN"].startswith("not found: no ascend_toolkit_install.info")
+    assert "drvGetDevNum failed" in rows["npu device"]
+    info_props = _fake_torch_npu(types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: 1, get_device_name=lambda i: "Ascend310P3",
+        get_device_properties=_Broken().get_device_properties, mem_get_info=lambda i: (1 << 30, 24 << 30)))
+    monkeypatch.setitem(sys.modules, "torch_npu", info_props)
+    monkeypatch.setattr(dev, "_import_torch_npu", lambda: info_props)
+    got = dev.npu_info()
+    assert got["hbm_bytes"] == 24 << 30 and "hbm_bytes" not in got["reasons"]    # mem_get_info's total

@@ -103,7 +103,74 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["attention_backend"] = get_backend(dev.type, 4, 2, 16).name
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
+    report["npu"] = dev_mod.npu_info()
+    report["npu_backend"] = _npu_backend() if report["npu"] is not None else None
     return report
+
+
+def _npu_backend() -> dict[str, Any]:
+    """What the npu attention backend accepts, from its module constants (ACCEPTED_DTYPES,
+    BLOCK_SIZE_MULTIPLE, MAX_HEAD_SIZE): doctor states the backend's own limits, not a copy."""
+    import importlib
+
+    name = "workbench.engine.attention.npu"
+    try:
+        mod = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return {"built": False}
+        return {"built": True, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # a broken install must not take doctor down with it
+        return {"built": True, "error": f"{type(exc).__name__}: {exc}"}
+    names = ("ACCEPTED_DTYPES", "BLOCK_SIZE_MULTIPLE", "MAX_HEAD_SIZE")
+    out: dict[str, Any] = {"built": True, "missing": [n for n in names if not hasattr(mod, n)]}
+    dtypes = getattr(mod, "ACCEPTED_DTYPES", None)
+    out["dtypes"] = [str(d).removeprefix("torch.") for d in dtypes] if dtypes is not None else None
+    out["block_size_multiple"] = getattr(mod, "BLOCK_SIZE_MULTIPLE", None)
+    out["max_head_size"] = getattr(mod, "MAX_HEAD_SIZE", None)
+    out["max_block_size"] = getattr(mod, "MAX_BLOCK_SIZE", None)
+    return out
+
+
+NO_NPU = "not installed (CPU/CUDA only; set PAGEDKV_NPU_DOUBLE=1 to dry-run the NPU path)"
+
+
+def _npu_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The torch_npu row and, with torch_npu present, CANN / npu device / HBM / npu backend."""
+    npu = report["npu"]
+    if npu is None:        # one line: nothing else about the NPU can be known
+        dist = report["torch_npu"]
+        return [("torch_npu", f"{dist} is installed but does not import (source CANN's set_env.sh)"
+                 if dist else NO_NPU)]
+    why = npu.get("reasons", {})
+    version = npu["torch_npu"] or report["torch_npu"] or f"version unknown ({why.get('torch_npu')})"
+    rows = [("torch_npu", version + (" (CPU double: no NPU; PAGEDKV_NPU_DOUBLE=1)" if npu["is_double"] else "")),
+            ("CANN", f"{npu['cann']} ({npu['cann_file']})" if npu["cann"]
+             else "not found (the CPU double needs none)" if npu["is_double"] else f"not found: {why.get('cann')}")]
+    if npu["device_count"]:
+        rows.append(("npu device", f"{npu['device_name'] or 'name unknown'} ({npu['device_count']} visible)"))
+        hbm = npu["hbm_bytes"]
+        rows.append(("HBM", f"{_fmt_bytes(hbm)} (npu:0)" if hbm is not None
+                     else f"unknown: {why.get('hbm_bytes (mem_get_info)') or why.get('hbm_bytes')}"))
+    else:
+        reason = why.get("device_count") or why.get("available") or why.get("device") or "none reported"
+        rows += [("npu device", f"none visible: {reason}"), ("HBM", "n/a (no NPU)")]
+    be = report["npu_backend"] or {}
+    if not be.get("built"):
+        text = "not built in this version"
+    elif be.get("error"):
+        text = f"does not import: {be['error']}"
+    else:
+        parts = [f"dtypes {', '.join(be['dtypes'])}" if be.get("dtypes") is not None else None,
+                 (f"block size a multiple of {be['block_size_multiple']}"
+                  + (f" up to {be['max_block_size']}" if be.get("max_block_size") else "")
+                  + " (128 recommended)") if be.get("block_size_multiple") else None,
+                 f"head size <= {be['max_head_size']}" if be.get("max_head_size") else None,
+                 f"{', '.join(be['missing'])} not declared by workbench.engine.attention.npu"
+                 if be.get("missing") else None]
+        text = "; ".join(p for p in parts if p)
+    rows.append(("npu backend", text))
+    return rows
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -142,7 +209,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     rows = [
         ("python", report["python"]),
         ("torch", report["torch"]),
-        ("torch_npu", report["torch_npu"] or "not installed"),
+        *_npu_rows(report),
         ("device", f"{report['device']} ({report['device_name']})"),
         ("available", ", ".join(report["available_devices"])),
         ("dtypes", ", ".join(report["dtypes"]) or "none"),

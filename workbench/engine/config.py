@@ -11,6 +11,12 @@ from dataclasses import dataclass, field, fields, replace
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp16_scaled",)
 PAGE_TABLE_LOCKS = ("global", "sharded")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "npu")
+# torch_npu's paged ops (attention/npu_double.py says where each limit is documented):
+NPU_DTYPES = ("bfloat16", "float16")   # the paged ops' query / KV dtypes (no float32)
+NPU_BLOCK_SIZE_MULTIPLE = 16  # _npu_paged_attention and the fused op: block_size % 16 == 0
+NPU_BLOCK_SIZE_MAX = 512      # npu_fused_infer_attention_score PageAttention: block_size <= 512
+NPU_HEAD_SIZE_MAX = 256       # _npu_paged_attention (ATB): head_size in (0, 256]
 
 
 class ConfigError(ValueError):
@@ -41,6 +47,14 @@ class EngineConfig:
     # stats() reader (the lock_storm setup); "sharded": a lock per stream shard, stats()
     # from a snapshot published after each step (the fix, field note 6).
     page_table_lock: str = "global"
+    # "auto": npu on an NPU device, else the compiled CPU kernel or the torch reference (as
+    # get_backend picks); "torch" / "cpu" force one; "npu" on device="cpu" is the dry run of
+    # the npu path through the CPU double of torch_npu's ops (PAGEDKV_NPU_DOUBLE=1).
+    attention_backend: str = "auto"
+    # Tensor parallelism over torch.distributed (gloo on CPU): attention and KV heads split across
+    # this many ranks (whole GQA groups per rank, unevenly when they do not divide: see
+    # workbench/engine/parallel/shard.py), rank 0 drives; 1 = one device, no process group.
+    tensor_parallel_size: int = 1
     # Escape hatch for the slow_page_size fault: production ran with page_size=12 for weeks.
     allow_unsupported_page_size: bool = field(default=False, repr=False)
 
@@ -51,7 +65,10 @@ class EngineConfig:
         ps = self.page_size
         if not isinstance(ps, int) or isinstance(ps, bool):
             raise ConfigError(f"page_size must be an int, got {ps!r}; use 16, 32, 64 or 128")
-        if not (_is_power_of_two(ps) and ps >= 16) and not self.allow_unsupported_page_size:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        # The npu backend's page-size rule is its ops' (a multiple of 16): check_npu, below.
+        if not self.npu_attention and not (_is_power_of_two(ps) and ps >= 16) and not self.allow_unsupported_page_size:
             raise ConfigError(
                 f"page_size={ps} is not a power of two >= 16: paged-attention kernels (Ascend "
                 f"PagedAttention, FlashAttention) need one and silently fall back to a slow path "
@@ -83,9 +100,66 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be a positive int, got {self.num_threads!r}")
         if self.page_table_lock not in PAGE_TABLE_LOCKS:
             raise ConfigError(f"page_table_lock={self.page_table_lock!r} is not one of {PAGE_TABLE_LOCKS}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if self.npu_attention:
+            check_npu(self)
+
+    @property
+    def npu_attention(self) -> bool:
+        """Whether the npu backend is asked for: by name, or "auto" on a device named npu (an NPU that
+        device="auto" resolves to is known only at build: build_stack checks it then)."""
+        backend = self.attention_backend
+        return backend == "npu" or (backend == "auto" and str(self.device).startswith("npu"))
 
     def replace(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_npu(cfg: EngineConfig) -> None:
+    """The constraints torch_npu's paged ops document, for a config that runs the npu backend."""
+    ps = cfg.page_size
+    if not (ps % NPU_BLOCK_SIZE_MULTIPLE == 0 and 16 <= ps <= NPU_BLOCK_SIZE_MAX) and not cfg.allow_unsupported_page_size:
+        raise ConfigError(
+            f"page_size={ps} cannot run on the npu attention backend: torch_npu's paged ops take block_size a "
+            f"multiple of 16 up to {NPU_BLOCK_SIZE_MAX} (_npu_paged_attention: % 16; npu_fused_infer_attention_"
+            f"score: <= {NPU_BLOCK_SIZE_MAX}); use 128 (recommended, vllm-ascend's kernel block size) or 16, 32, 64")
+    if cfg.dtype == "float32":
+        raise ConfigError(
+            "dtype='float32' cannot run on the npu attention backend: torch_npu's paged-attention ops take "
+            "float16 / bfloat16 query and KV only; use dtype='bfloat16' (or 'float16'), or attention_backend='torch' "
+            "for float32 through the torch reference")
+    kv = cfg.kv_cache_dtype
+    if kv == "fp16_scaled":
+        raise ConfigError(
+            "kv_cache_dtype='fp16_scaled' cannot run on the npu attention backend: the ops read the pages in "
+            "place and take no per-page scale; use kv_cache_dtype='auto' with dtype='bfloat16' (bf16 has fp32's "
+            "range: no 65504 overflow)")
+    if kv not in ("auto", cfg.dtype):
+        raise ConfigError(
+            f"kv_cache_dtype={kv!r} with dtype={cfg.dtype!r} cannot run on the npu attention backend: the ops take "
+            f"the query and the KV cache in one dtype (float16 or bfloat16); use kv_cache_dtype='auto'")
+    if cfg.attention_backend == "npu" and not str(cfg.device).startswith("npu"):
+        from . import device
+        dev = str(cfg.device)
+        if dev not in ("auto", "cpu") and not dev.startswith("npu"):
+            raise ConfigError(f"attention_backend='npu' runs on an NPU, or on device='cpu' through the CPU double "
+                              f"of torch_npu's ops; not on device={dev!r}")
+        if device._import_torch_npu() is None:
+            raise ConfigError(
+                "attention_backend='npu' needs torch_npu: install torch_npu (and CANN) to run on an Ascend NPU, or "
+                "set PAGEDKV_NPU_DOUBLE=1 to dry-run the npu code path on the CPU through the contract-checking "
+                "double of its ops (workbench/engine/attention/npu_double.py)")
+
+
+def check_npu_head_size(head_dim: int) -> None:
+    """The model side of the contract, known once the model config is."""
+    if not 0 < head_dim <= NPU_HEAD_SIZE_MAX or head_dim % 16:
+        raise ConfigError(
+            f"head_dim={head_dim} cannot run on the npu attention backend: _npu_paged_attention takes head_size "
+            f"in (0, {NPU_HEAD_SIZE_MAX}] and npu_fused_infer_attention_score a 16-aligned D; use "
+            f"attention_backend='torch' for this model")

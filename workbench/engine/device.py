@@ -18,6 +18,10 @@ Environment variables:
 ``PAGEDKV_DEVICE``
     overrides what ``resolve_device("auto")`` picks (e.g. ``cpu`` to force CPU
     on a GPU box). An explicit device name is never overridden.
+``PAGEDKV_NPU_DOUBLE``
+    ``1``: where the real torch_npu does not import, ``_import_torch_npu()`` returns
+    the CPU double of its paged ops (attention/npu_double.py), so
+    ``EngineConfig(device="cpu", attention_backend="npu")`` dry-runs the npu path.
 ``PAGEDKV_CACHE_DIR``
     directory of the peak-figures cache (default
     ``$XDG_CACHE_HOME/pagedkv-workbench`` or ``~/.cache/pagedkv-workbench``).
@@ -31,6 +35,7 @@ import json
 import os
 import platform
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -42,6 +47,7 @@ import torch
 __all__ = [
     "DeviceLike",
     "npu_available",
+    "npu_info",
     "available_devices",
     "resolve_device",
     "device_name",
@@ -76,14 +82,35 @@ _CANDIDATE_DTYPES = ("float32", "bfloat16", "float16")
 # --------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+_real_torch_npu: list = []          # the one probe of the real torch_npu: [module or None]
+
+
+def _import_real_torch_npu():
+    """The real torch_npu (never the CPU double), or None if it is absent or does not load."""
+    if not _real_torch_npu:
+        held = sys.modules.get("torch_npu")
+        if getattr(held, "IS_DOUBLE", False):
+            return None          # the double stands in (installed only where the real one failed)
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except Exception:  # ImportError, OSError (no CANN), RuntimeError, ...
+            torch_npu = None
+        _real_torch_npu.append(torch_npu)
+    return _real_torch_npu[0]
+
+
 def _import_torch_npu():
-    """Return the torch_npu module, or None if it is absent or does not load."""
-    try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-    except Exception:  # ImportError, OSError (no CANN), RuntimeError, ...
-        return None
-    return torch_npu
+    """The torch_npu module: the real one; else the CPU double of its paged ops when it is
+    installed or PAGEDKV_NPU_DOUBLE=1 (attention/npu_double.py; it has IS_DOUBLE and no
+    devices); else None."""
+    held = sys.modules.get("torch_npu")
+    if getattr(held, "IS_DOUBLE", False):
+        return held
+    real = _import_real_torch_npu()
+    if real is not None or os.environ.get("PAGEDKV_NPU_DOUBLE", "") != "1":
+        return real
+    from .attention import npu_double
+    return npu_double.install()
 
 
 def npu_available() -> bool:
@@ -128,10 +155,97 @@ def _why_unavailable(kind: str) -> str:
             return f"this torch ({torch.__version__}) is built without CUDA"
         return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
     if kind == "npu":
-        if _import_torch_npu() is None:
+        mod = _import_torch_npu()
+        if mod is None:
             return "torch_npu is not installed or does not import (pip install 'pagedkv-workbench[npu]', source the CANN set_env.sh)"
+        if getattr(mod, "IS_DOUBLE", False):
+            return ("only the CPU double of torch_npu's paged ops is loaded (PAGEDKV_NPU_DOUBLE=1): no NPU; "
+                    "device='cpu' with attention_backend='npu' runs the npu code path through it")
         return "torch_npu imports but sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi info)"
     return "unknown reason"
+
+
+def _cann_version() -> tuple[str | None, str | None, str | None]:
+    """(CANN version, the file it was read from, why not found). CANN records it in
+    <home>/<arch>-linux/ascend_toolkit_install.info ("version=8.0.RC2") and, in toolkit installs,
+    <home>/version.cfg ("toolkit_running_version=[7.6.0.1.220:8.0.0]"). <home> is what set_env.sh
+    exports (ASCEND_TOOLKIT_HOME, ASCEND_HOME_PATH), else the default install paths."""
+    homes = [os.environ.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")]
+    homes = [Path(h) for h in homes if h]
+    if not homes:       # set_env.sh not sourced: the CANN a default install put where the docs say
+        homes = [Path(b) / d for b in ("/usr/local/Ascend", Path.home() / "Ascend")
+                 for d in ("ascend-toolkit/latest", "cann")]
+    for home in homes:
+        for info in sorted(home.glob("*-linux/ascend_toolkit_install.info")):
+            try:
+                for line in info.read_text(errors="replace").splitlines():
+                    if line.strip().startswith("version="):
+                        return line.split("=", 1)[1].strip(), str(info), None
+            except OSError:
+                continue
+        cfg = home / "version.cfg"
+        try:
+            for line in cfg.read_text(errors="replace").splitlines():
+                key, _, val = line.partition("=")
+                if key.strip() in ("toolkit_running_version", "runtime_running_version") and ":" in val:
+                    return val.strip().strip("[]").split(":", 1)[1], str(cfg), None
+        except OSError:
+            pass
+    where = ", ".join(str(h) for h in homes)
+    return None, None, f"no ascend_toolkit_install.info or version.cfg under {where} (source CANN's set_env.sh)"
+
+
+def npu_info() -> dict[str, Any] | None:
+    """The Ascend side, for ``kvwb doctor``: None when torch_npu does not import; otherwise
+    ``torch_npu`` (its version), ``is_double`` (the CPU double of torch_npu, IS_DOUBLE),
+    ``cann`` / ``cann_file`` (CANN's version and where it was read), ``available``,
+    ``device_count``, ``device_name`` and ``hbm_bytes`` (of npu:0), and ``reasons``: for each
+    fact that could not be had, why. Every call into the runtime is guarded: a broken driver is a
+    reason, never a crash (doctor is what one runs when things are broken)."""
+    try:
+        torch_npu = _import_torch_npu()      # the real one, else the double (installed, or PAGEDKV_NPU_DOUBLE=1)
+    except Exception:
+        torch_npu = None
+    if torch_npu is None:                    # what this process has loaded under the name, if anything
+        torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None:
+        return None
+    reasons: dict[str, str] = {}
+
+    def ask(what, fn, default=None):
+        try:
+            return fn()
+        except Exception as e:       # AttributeError, RuntimeError from the driver, ...
+            reasons[what] = f"{type(e).__name__}: {e}"
+            return default
+
+    info: dict[str, Any] = {
+        "torch_npu": ask("torch_npu", lambda: str(torch_npu.__version__)),
+        "is_double": ask("is_double", lambda: bool(getattr(torch_npu, "IS_DOUBLE", False)), False),
+        "available": False, "device_count": 0, "device_name": None, "hbm_bytes": None,
+    }
+    info["cann"], info["cann_file"], why = ask("cann", _cann_version, (None, None, None))
+    if why:
+        reasons["cann"] = why
+    npu = ask("device", lambda: getattr(torch, "npu", None) or getattr(torch_npu, "npu", None))
+    if npu is None:
+        reasons.setdefault("device", "the CPU double of torch_npu has no NPU" if info["is_double"]
+                           else "torch.npu is missing: torch_npu did not register its device module")
+    else:
+        info["available"] = ask("available", lambda: bool(npu.is_available()), False)
+        if info["available"]:
+            info["device_count"] = ask("device_count", lambda: int(npu.device_count()), 0)
+        elif "available" not in reasons:
+            reasons["available"] = "torch.npu.is_available() is False (check ASCEND_RT_VISIBLE_DEVICES, npu-smi info)"
+    if info["device_count"]:
+        info["device_name"] = ask("device_name", lambda: str(npu.get_device_name(0)))
+        info["hbm_bytes"] = ask("hbm_bytes", lambda: int(npu.get_device_properties(0).total_memory))
+        if info["hbm_bytes"] is None:          # older torch_npu: the card's total from mem_get_info
+            info["hbm_bytes"] = ask("hbm_bytes (mem_get_info)", lambda: int(npu.mem_get_info(0)[1]))
+            if info["hbm_bytes"] is not None:
+                reasons.pop("hbm_bytes", None)
+    info["reasons"] = reasons
+    return info
 
 
 def resolve_device(name: DeviceLike = "auto") -> torch.device:

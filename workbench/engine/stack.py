@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import get_backend
+from .attention import get_backend, resolve_choice
 from .attention.base import AttentionBackend
 from .batch import BatchBuilder
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, check_npu, check_npu_head_size
 from .kv_cache import KVCache, page_bytes, torch_dtype
 from .kv_manager import KVCacheManager, pages_for
 from .model_config import ModelConfig
@@ -71,9 +71,13 @@ def build_stack(config: EngineConfig, num_pages: int, mc: ModelConfig | None = N
     stack = KVStack(config, num_pages, pool, kv_manager, scheduler)
     if mc is not None:
         device = torch.device(device or "cpu")
+        if resolve_choice(device.type, config.attention_backend) == "npu":
+            check_npu(config)                   # "auto" on an NPU: known only now
+            check_npu_head_size(mc.head_dim)    # the model's side of the ops' contract
         dtype, scaled = kv_dtypes(config)
         stack.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, device, scaled=scaled)
         stack.builder = BatchBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                      pages_for(max_model_len or mc.max_position_embeddings, ps), ps, device)
-        stack.attn = get_backend(device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim, page_size=ps)
+        stack.attn = get_backend(device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim, page_size=ps,
+                                 choice=config.attention_backend)
     return stack
