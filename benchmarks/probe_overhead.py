@@ -31,6 +31,8 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each; best is kept")
+    ap.add_argument("--tp", type=int, default=2, help="also the rank_consistency probe at this tensor-parallel "
+                                                  "size (1: skip)")
     a = ap.parse_args(argv)
     prompts = workload(a.requests)
     engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))
@@ -80,6 +82,34 @@ def main(argv=None):
     print(f"event plumbing, nothing attached: {calls / steps:.0f} bus.wants() checks per step x "
           f"{per_call * 1e9:.0f} ns = {cost * 1e6:.1f} us per {per_step * 1e3:.1f} ms step = "
           f"{cost / per_step:.3%} (target <= 1%)")
+    if a.tp > 1:
+        del engine                       # its memory back before the TP engine loads
+        tp_overhead(prompts, a)
+
+
+def tp_overhead(prompts, a) -> None:
+    """The rank_consistency probe (tensor parallel only: on one device it has nothing to compare)."""
+    import torch
+    engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048, tensor_parallel_size=a.tp))
+    torch.set_num_threads(engine.parallel.num_threads)
+    run(engine, workload(4, seed=1), 4)
+    off, on, costs, exch = [], [], [], []
+    for _ in range(a.repeats):
+        off.append(run(engine, prompts, a.new_tokens))
+        wb = Workbench(engine, log=False).attach("rank_consistency")
+        on.append(run(engine, prompts, a.new_tokens))
+        costs.append(wb.costs())
+        exch.append(wb.probe("rank_consistency").frame().exchange_us.median())
+        wb.detach()
+    toks = a.requests * a.new_tokens
+    t_off, t_on = min(off), min(on)
+    i = on.index(t_on)
+    c = costs[i].set_index("probe").loc["rank_consistency"]
+    print(f"TP={a.tp}, no probe: {toks / t_off:7.1f} output tok/s ({t_off:.2f} s); rank_consistency on: "
+          f"{toks / t_on:7.1f} tok/s ({t_on:.2f} s): {1 - t_off / t_on:.1%} lost")
+    print(f"  rank_consistency: {int(c.calls)} checks, {c.seconds * 1e3:.1f} ms = {c.seconds / t_on:.2%} of the run "
+          f"(digest + all-gather, median {exch[i]:.0f} us per step)")
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ PROBES = {
     "pool_accounting": "probes.pool_accounting:PoolAccountingProbe",
     "prefix_cache": "probes.prefix_cache:PrefixCacheProbe",
     "shadow": "probes.shadow:ShadowProbe",
+    "rank_consistency": "probes.rank_consistency:RankConsistencyProbe",
 }
 
 

@@ -225,6 +225,8 @@ class ShadowProbe(Probe):
         ctx = s.num_computed_tokens + n
         nl = self.engine.model_config.num_layers
         lmax = min(nl - 1, self.budget // ctx - 1)
+        if getattr(self.engine, "parallel", None) is not None:
+            lmax = 0        # tensor parallel: layer 0 over rank 0's heads (deeper layers need the all-reduced state)
         layer = want_layer if want_layer is not None else self._layer_rr % nl
         self._force = None
         self._cursor += 1

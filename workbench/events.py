@@ -172,6 +172,20 @@ class EngineIdle(Event):
     pages_cached: int
 
 
+@dataclass(slots=True)
+class RankStepFinished(Event):
+    """One rank's share of a tensor-parallel step (workbench/engine/parallel), reported to rank 0."""
+    rank: int
+    duration_ns: int              # the rank's forward, from receiving the plan to its report
+    comm_ns: int                  # of which inside collectives (waiting for the slowest rank included)
+    bytes: int                    # weights, KV pages read and K/V written by this rank (its shard)
+    comm_bytes: int               # bytes this rank handed to the collectives
+    table_crc: int                # crc32 of the block table bytes this rank bound
+    table_version: int            # its BlockTables.version
+    num_rows: int
+    width: int
+
+
 # ---- locks -----------------------------------------------------------------
 @dataclass(slots=True)
 class LockWaited(Event):
@@ -228,7 +242,8 @@ class VllmMetricsScraped(Event):
 EVENT_TYPES: tuple[type, ...] = (
     RequestSubmitted, RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
     PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered,
-    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, LockWaited, LockHeld,
+    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, RankStepFinished,
+    LockWaited, LockHeld,
     VllmStepChecked, VllmBlocksStored, VllmBlocksRemoved, VllmMetricsScraped,
 )
 EVENT_BY_NAME = {t.__name__: t for t in EVENT_TYPES}

@@ -55,10 +55,21 @@ class Engine:
         self.kv_dtype, self.kv_scaled = kv_dtypes(config)   # fp16_scaled: fp16 pages with a scale each
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
-                                max_positions=self.max_model_len)
+        # Tensor parallel (engine/parallel/): the driver starts the worker ranks and holds rank 0's
+        # shard, whose forward runs the step protocol; the stack is built for rank 0's heads.
+        self.parallel, stack_mc = None, mc
+        if config.tensor_parallel_size > 1:
+            from .parallel import Driver
+            self.parallel = Driver(loaded, config, self.device, self.dtype, self.max_model_len,
+                                   pool_pages(config, mc))
+            self.model, stack_mc = self.parallel.model, self.parallel.shard_config
+        else:
+            self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
+                                    max_positions=self.max_model_len)
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
-        self._install(build_stack(config, pool_pages(config, mc), mc, self.device, self.max_model_len))
+        self._install(build_stack(config, pool_pages(config, mc), stack_mc, self.device, self.max_model_len))
+        if self.parallel is not None:
+            self.parallel.bind(self)
         self.sampler = Sampler(config.seed)
         # Events: emitted only for types someone subscribes to (see instrumentation.py).
         self.bus = EventBus()
@@ -114,6 +125,9 @@ class Engine:
         """Rebuild the KV stack for another page size with the same KV memory; returns the old
         stack (give it to restore_stack() to go back). Requests still live are re-queued and
         recomputed on the new pool, like a preemption."""
+        if self.parallel is not None:
+            raise NotImplementedError("repage() with tensor_parallel_size > 1: every rank would need the new "
+                                      "stack; build a new engine with that page size")
         cfg = self.config.replace(page_size=page_size, **config_changes)
         num_pages = max(1, self.num_pages * self.config.page_size // page_size)
         return self.restore_stack(build_stack(cfg, num_pages, self.model_config, self.device, self.max_model_len))
@@ -458,6 +472,24 @@ class Engine:
 
     def _stats(self, pool) -> dict:
         return lifecycle.stats(pool, self.scheduler, self.kv_manager, self.step_count)
+
+    # ---- lifetime ---------------------------------------------------------------
+    def close(self) -> None:
+        """Shut down the worker ranks of a tensor-parallel engine (nothing to do on one device)."""
+        if getattr(self, "parallel", None) is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:           # noqa: BLE001 - at collection, close what can be closed
+            pass
 
     def live_sequences(self) -> list[Sequence]:
         return list(self.scheduler.running) + list(self.scheduler.waiting)

@@ -27,6 +27,7 @@ FAULTS = {
     "lock_inversion": "workbench.faults.lock_inversion:LockInversion",
     "buffer_leak": "workbench.faults.buffer_leak:BufferLeak",
     "slow_page_size": "workbench.faults.slow_page_size:SlowPageSize",
+    "rank_desync": "workbench.faults.rank_desync:RankDesync",
     "pool_pressure": "workbench.faults.pool_pressure:PoolPressure",
 }
 

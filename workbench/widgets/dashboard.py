@@ -86,6 +86,12 @@ class Dashboard:
         self.page_map = PageMap(num_pages, width=map_width, max_height=map_height, details=self._details)
         self.timelines = Timelines(log, probes)
         self.table = FindingsTable(findings if findings is not None else pd.DataFrame(columns=COLUMNS))
+        # Tensor parallel: a per-rank strip (step time, bandwidth, digest agreement) beside the page map.
+        world = getattr(getattr(engine, "parallel", None), "world", 1)
+        self.ranks = None
+        if world > 1:
+            from .rank_strip import RankStrip
+            self.ranks = RankStrip(log, world)
         self.throttle = Throttle(min_interval_s, max_share, clock)
         self.refreshes = 0
         self.skipped = 0
@@ -113,7 +119,8 @@ class Dashboard:
         self.timelines.on_cursor.append(self._on_timeline_click)
         self.widget = W.VBox([W.HTML(f"<b>{title}</b>"), self.status,
                               W.HBox([self.play, self.slider, self.follow]),
-                              W.HBox([self.page_map, self.table.widget],
+                              W.HBox([self.page_map] + ([self.ranks.widget] if self.ranks is not None else [])
+                                     + [self.table.widget],
                                      layout=W.Layout(align_items="flex-start", flex_flow="row wrap")),
                               self.timelines.fig])
         self.widget.add_class("kvwb-dashboard")
@@ -229,6 +236,8 @@ class Dashboard:
         elif follow:
             self.timelines.set_cursor(head)
         self.table.refresh()
+        if self.ranks is not None:
+            self.ranks.refresh()
         self._quiet = True
         try:
             with self.slider.hold_sync():
