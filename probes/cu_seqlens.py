@@ -197,9 +197,11 @@ class CuSeqlensProbe(Probe):
         self.listen(BatchPacked, self.on_batch)
         self._packed = None
         # torch_npu's ops take the lengths from the attention plan, not from cu_seqlens: read
-        # what the plan hands them (layer 0, before any attention runs)
+        # what the plan hands them (layer 0, before any attention runs). Other backends' kernels
+        # read cu_seqlens itself: no model hook for them (a tap wires a call into every layer).
         self._tap = FirstLayerTap(self.guard(self.on_plan))
-        instrumentation.add_tap(engine, self._tap)
+        if getattr(engine.attn, "name", None) == "npu":
+            instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
         instrumentation.remove_tap(engine, self._tap)
@@ -215,17 +217,16 @@ class CuSeqlensProbe(Probe):
         if e.step % self.every:
             return
         q, ctx, n = list(e.query_lens), list(e.context_lens), len(e.request_ids)
-        checks = [("actual_seq_lengths", plan.actual_seq_lengths, q, ctx, list(range(n)))]
+        # (name, cumulative ends, kv lengths, the batch rows the call covers)
+        checks = [("actual_seq_lengths", plan.actual_seq_lengths, plan.actual_seq_lengths_kv, list(range(n)))]
         rows = getattr(plan, "prefill_rows", None)
         if getattr(plan, "prefill_seq_lengths", None) is not None and rows is not None and len(rows) < n:
-            rows = [int(r) for r in rows]                  # the prefill call of a mixed step: its own rows
-            checks.append(("prefill actual_seq_lengths", plan.prefill_seq_lengths, [q[r] for r in rows],
-                           [ctx[r] for r in rows], rows))
-        for name, ends, lengths, kv_lengths, rows in checks:
-            found = check_actual_seq_lengths(ends, int(sum(lengths)), num_seqs=len(rows), lengths=lengths, name=name)
+            checks.append(("prefill actual_seq_lengths", plan.prefill_seq_lengths, plan.prefill_seq_lengths_kv,
+                           [int(r) for r in rows]))       # the prefill call of a mixed step: its own rows
+        for name, ends, kv, rows in checks:
+            lengths, kv_lengths = [q[r] for r in rows], [ctx[r] for r in rows]
             kv_name = name.replace("actual_seq_lengths", "actual_seq_lengths_kv")
-            kv = plan.actual_seq_lengths_kv if name == "actual_seq_lengths" else plan.prefill_seq_lengths_kv
-            for v in found:
+            for v in check_actual_seq_lengths(ends, int(sum(lengths)), num_seqs=len(rows), lengths=lengths, name=name):
                 self._report(e, name, ends, lengths, _in_batch(v, rows))
             for v in check_seq_lengths_kv(kv, kv_lengths, name=kv_name):
                 self._report(e, kv_name, kv, kv_lengths, _in_batch(v, rows))

@@ -296,10 +296,10 @@ class EventBus:
         t = type(event)
         rows = self._row_subs.get(t)
         if rows:
-            self._deliver_row(rows, t, _row_getter(t)[0](event), event)
+            self._deliver(rows, (t, _row_getter(t)[0](event)), event)
         subs = self._subs.get(t)
         if subs:
-            self.emit_objects(event, subs)
+            self._deliver(subs, (event,), event)
 
     def emit_row(self, etype: type, row: tuple) -> None:
         """emit(etype(*row)), building the event only for subscribers that take objects.
@@ -309,28 +309,22 @@ class EventBus:
             return
         rows = self._row_subs.get(etype)
         if rows:
-            self._deliver_row(rows, etype, row, None)
+            self._deliver(rows, (etype, row), None)
         subs = self._subs.get(etype)
         if subs:
-            self.emit_objects(etype(*row), subs)
+            event = etype(*row)
+            self._deliver(subs, (event,), event)
 
-    def emit_objects(self, event: Event, subs) -> None:
-        for fn in subs:
-            try:
-                fn(event)
-            except Exception as e:           # a subscriber never breaks the engine
-                if self.on_error is None:
-                    raise
-                self.on_error(fn, event, e)
-
-    def _deliver_row(self, fns, etype: type, row: tuple, event) -> None:
+    def _deliver(self, fns, args: tuple, event) -> None:
+        """fn(*args) for each subscriber; a subscriber never breaks the engine: its error goes to
+        on_error with the event (None: built from args = (etype, row), only then)."""
         for fn in fns:
             try:
-                fn(etype, row)
+                fn(*args)
             except Exception as e:
                 if self.on_error is None:
                     raise
-                self.on_error(fn, event if event is not None else etype(*row), e)
+                self.on_error(fn, event if event is not None else args[0](*args[1]), e)
 
 
 _ROW_GETTERS: dict[type, tuple] = {}
