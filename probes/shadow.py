@@ -249,7 +249,7 @@ class ShadowProbe(Probe):
         pages = torch.tensor(seq.pages[: -(-ctx // ps)], dtype=torch.long, device=m.device)
         cos, sin = (t.to(m.device)[:, None, :] for t in rope_tables(hd, ctx, cfg.rope_theta))
         causal = torch.arange(ctx, device=m.device)[None, :] <= torch.arange(start, ctx, device=m.device)[:, None]
-        h = F.embedding(ids, m.embed)
+        h = F.embedding(ids, m.embed).to(m.dtype)     # the table may be stored narrower (bf16 storage)
         self.last_check, found = [], None
         for l in range(L + 1):
             Ly = m.layers[l]

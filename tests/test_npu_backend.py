@@ -33,6 +33,15 @@ def double():
     npu_double.uninstall()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def bf16_arithmetic():
+    """The torch-backend references of this module compute in bf16, as the NPU's ops do (on a CPU
+    without native bf16 the engine would otherwise compute bf16 weights in fp32: cpu_bf16.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDKV_BF16", "native")
+        yield
+
+
 def loud(wb, severity="warn"):
     return [(f.kind, f.message) for f in wb.findings_at_least(severity)]
 

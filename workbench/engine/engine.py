@@ -25,6 +25,7 @@ from . import consumers, instrumentation, lifecycle
 from .batch import PackedBatch
 from .config import EngineConfig
 from .device import resolve_device
+from .attention import resolve_choice
 from .kv_cache import torch_dtype
 from .kv_manager import pages_for
 from .model import LlamaModel
@@ -64,8 +65,10 @@ class Engine:
                                    pool_pages(config, mc))
             self.model, stack_mc = self.parallel.model, self.parallel.shard_config
         else:
+            # torch_npu's ops take the query in the cache's dtype: no fp32 compute over bf16 storage there.
+            npu = resolve_choice(self.device.type, config.attention_backend) == "npu"
             self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
-                                    max_positions=self.max_model_len)
+                                    max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None)
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
         self._install(build_stack(config, pool_pages(config, mc), stack_mc, self.device, self.max_model_len))
         if self.parallel is not None:

@@ -1,10 +1,16 @@
-"""Linear layers for the hot path: oneDNN prepacked weights on CPU, F.linear elsewhere.
+"""Linear layers for the hot path: a skinny GEMM for decode-sized inputs, oneDNN above.
 
-Measured here (2 cores, fp32): for 1-16 rows (decode) MKL's sgemm through F.linear
-reaches 5-12 GB/s of weight streaming, oneDNN's prepacked kernel 20-30 GB/s; for
-2,048-row prefill it is 10-25% faster too. The prepacked op is the one torch's
-inductor uses for CPU linears. Each layer checks it against F.linear once at load
-and falls back if the op is missing or disagrees.
+Measured here (2 cores, 30 layers of SmolLM2's shapes, weights from DRAM):
+- decode sizes (1-48 rows): the compiled skinny GEMM (csrc/skinny_gemm.cpp) streams the
+  weights once per call; at 24 rows it runs the decoder's linears in 34 ms where oneDNN's
+  prepacked kernel takes 40 and MKL's sgemm (F.linear) 82; at 1 row 22 vs 26 ms;
+- prefill sizes (>= 64 rows): oneDNN's prepacked kernel (the op torch's inductor uses for
+  CPU linears), ~300 GFLOP/s, with the epilogue (silu, * other, + residual) fused.
+In float32 both layouts are kept (2x the weights' memory: the speed is the point here).
+bfloat16 weights on a CPU without native bf16 GEMMs (engine/cpu_bf16.py, "storage") are
+kept once, in the skinny layout: decode sizes read them as bf16, larger inputs widen them
+to float32 for oneDNN once per call (~1% of that GEMM's time).
+Each layout is checked against F.linear once at load and dropped if it disagrees.
 """
 from __future__ import annotations
 
@@ -13,7 +19,12 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import skinny_gemm
+
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
+# Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
+# fp32 weights stream 4 bytes a weight (oneDNN is level at 64 rows), bf16 ones 2.
+SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
 
 
 def _onednn_usable(w: torch.Tensor) -> bool:
@@ -24,25 +35,48 @@ def _onednn_usable(w: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class Linear:
-    """y = x @ W.T + b, with W [out, in]."""
+def _agrees(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol))
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class Linear:
+    """y = x @ W.T + b, with W [out, in]; computed in `compute_dtype` (default W's dtype)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
-        self.bias = bias
-        self.packed = None
+        self.compute_dtype = compute_dtype or weight.dtype
+        if self.compute_dtype not in (self.dtype, torch.float32):
+            raise ValueError(f"Linear: {self.dtype} weights compute in their dtype or float32, "
+                             f"not {self.compute_dtype}")
+        self.bias = None if bias is None else bias.to(self.compute_dtype)
+        self.packed = None       # oneDNN's prepacked layout (weights in the compute dtype)
+        self.skinny = None       # the skinny GEMM's layout [ceil(out/16), in, 16] (float32 compute)
         self.weight = weight
-        if _onednn_usable(weight):
+        self.skinny_rows = SKINNY_MAX_ROWS.get(self.dtype, 0)
+        widened = self.compute_dtype != self.dtype           # bf16 storage, fp32 compute
+        x = torch.randn(3, self.in_features, dtype=self.compute_dtype, device=self.device)
+        ref = F.linear(x, weight.to(self.compute_dtype), self.bias)
+        k = skinny_gemm.kernel() if self.device.type == "cpu" and self.compute_dtype == torch.float32 else None
+        if k is not None:
             try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
-                x = torch.randn(3, self.in_features, dtype=weight.dtype)
-                got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-                tol = 1e-3 if weight.dtype == torch.float32 else 5e-2
-                if torch.allclose(got, F.linear(x, weight, bias), rtol=tol, atol=tol):
-                    self.packed, self.weight = packed, None     # keep one copy of the weights
+                packed = k.pack(weight.contiguous())
+                if _agrees(k.gemm(x, packed, self.out_features, self.bias, 0, None, 0), ref, torch.float32):
+                    self.skinny = packed
             except RuntimeError:
                 pass
+        if not widened and _onednn_usable(weight):
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+                got = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+                if _agrees(got, ref, self.dtype):
+                    self.packed = packed
+            except RuntimeError:
+                pass
+        if self.packed is not None or (widened and self.skinny is not None):
+            self.weight = None                                 # the other layouts hold it
 
     @property
     def numel(self) -> int:
@@ -50,31 +84,76 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
+        """Weight bytes one call streams (the stored dtype's)."""
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
     @property
     def backend(self) -> str:
+        if self.skinny is not None:
+            return "skinny+onednn" if self.packed is not None or self.weight is None else "skinny+torch"
         return "onednn" if self.packed is not None else "torch"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight in its stored dtype, whichever layouts hold it."""
+        if self.weight is not None:
+            return self.weight
+        if self.skinny is not None:
+            return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features).to(self.dtype)
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.device)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").T.contiguous()
+
+    # ---- the three ways to run it -------------------------------------------------------
+    def _skinny(self, x: torch.Tensor, act: int, other: torch.Tensor | None, op: int) -> torch.Tensor:
+        x = x.float() if x.dtype != torch.float32 else x        # a caller's narrower copy (probes)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if other is not None:
+            other = other.float() if other.dtype != torch.float32 else other
+            other = other if other.stride(-1) == 1 else other.contiguous()
+        return skinny_gemm.kernel().gemm(x, self.skinny, self.out_features, self.bias, act, other, op)
+
+    def _dense(self) -> tuple[torch.Tensor, bool]:
+        """(a weight oneDNN / F.linear take, whether it is oneDNN-packed)."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return self.packed, True
+        if self.weight is not None:
+            return self.weight.to(self.compute_dtype), False
+        return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features), False   # bf16 widened
+
+    def _small(self, x: torch.Tensor) -> bool:
+        return self.skinny is not None and x.shape[0] <= self.skinny_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small(x):
+            return self._skinny(x, 0, None, 0)
+        w, packed = self._dense()
+        if packed or _onednn_usable(w):
+            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+        return F.linear(x, w, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x @ W.T + b), the activation fused into the GEMM's epilogue on oneDNN."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.weight, self.bias))
+        """silu(x @ W.T + b), the activation fused into the GEMM's epilogue."""
+        if self._small(x):
+            return self._skinny(x, skinny_gemm.ACT["silu"], None, 0)
+        w, packed = self._dense()
+        if packed or _onednn_usable(w):
+            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, w, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) * other, fused (SwiGLU's up projection times silu(gate))."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias).mul_(other)
+        if self._small(x):
+            return self._skinny(x, 0, other, skinny_gemm.BIN["mul"])
+        w, packed = self._dense()
+        if packed or _onednn_usable(w):
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, self.bias, "mul")
+        return F.linear(x, w, self.bias).mul_(other)
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) + other, fused (a residual connection)."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
-        return F.linear(x, self.weight, self.bias).add_(other)
+        if self._small(x):
+            return self._skinny(x, 0, other, skinny_gemm.BIN["add"])
+        w, packed = self._dense()
+        if packed or _onednn_usable(w):
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, self.bias, "add")
+        return F.linear(x, w, self.bias).add_(other)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_bf16
 from .attention import native
 from .attention.base import AttentionBackend
 from .batch import PackedBatch
@@ -43,35 +44,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
-    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device):
+    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None):
+        """Projection weights in `dtype`, computed (and norms held) in `compute_dtype`."""
         p = f"model.layers.{i}."
+        cd = compute_dtype or dtype
         g = lambda n: sd[p + n].to(device=device, dtype=dtype)
-        self.qkv = Linear(torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                                     g("self_attn.v_proj.weight")]).contiguous(),
-                          torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
-                                     g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
-        self.o = Linear(g("self_attn.o_proj.weight").contiguous())
-        self.gate = Linear(g("mlp.gate_proj.weight").contiguous())
-        self.up = Linear(g("mlp.up_proj.weight").contiguous())
-        self.down = Linear(g("mlp.down_proj.weight").contiguous())
-        self.norm_attn = g("input_layernorm.weight")
-        self.norm_mlp = g("post_attention_layernorm.weight")
+        lin = lambda w, b=None: Linear(w.contiguous(), b, compute_dtype=cd)
+        self.qkv = lin(torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                                  g("self_attn.v_proj.weight")]),
+                       torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                                  g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
+        self.o = lin(g("self_attn.o_proj.weight"))
+        self.gate = lin(g("mlp.gate_proj.weight"))
+        self.up = lin(g("mlp.up_proj.weight"))
+        self.down = lin(g("mlp.down_proj.weight"))
+        self.norm_attn = g("input_layernorm.weight").to(cd)
+        self.norm_mlp = g("post_attention_layernorm.weight").to(cd)
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: int | None = None):
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+                 device: torch.device | str = "cpu", max_positions: int | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        self.device = torch.device(device)
+        # weight_dtype: how the weights are stored; dtype: what activations are computed in.
+        # They differ for bfloat16 on a CPU without native bf16 GEMMs (cpu_bf16.py, "storage").
+        self.cfg, self.weight_dtype = cfg, dtype
+        self.dtype = cd = compute_dtype or cpu_bf16.compute_dtype(dtype, self.device)
         d = self.device
         self.embed = state_dict["model.embed_tokens.weight"].to(device=d, dtype=dtype)
         head = state_dict.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
-        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous())
+        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous(), compute_dtype=cd)
         self.tied = tied
-        self.norm = state_dict["model.norm.weight"].to(device=d, dtype=dtype)
-        self.layers = [Layer(state_dict, i, cfg, dtype, d) for i in range(cfg.num_layers)]
+        self.norm = state_dict["model.norm.weight"].to(device=d, dtype=cd)
+        self.layers = [Layer(state_dict, i, cfg, dtype, d, cd) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
-        self.cos, self.sin = cos.to(d, dtype), sin.to(d, dtype)
+        self.cos, self.sin = cos.to(d, cd), sin.to(d, cd)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.hooks = None     # set by the engine while probes listen: on_kv / on_attention / on_hidden
@@ -98,7 +107,7 @@ class LlamaModel:
         cfg = self.cfg
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = batch.input_ids.shape[0]
-        h = F.embedding(batch.input_ids, self.embed)
+        h = F.embedding(batch.input_ids, self.embed).to(self.dtype)
         cos = self.cos.index_select(0, batch.positions)
         sin = self.sin.index_select(0, batch.positions)
         # The step's attention plan, once for every layer; kept on the batch for observers.

@@ -30,11 +30,8 @@ FP16_MAX = 65504.0
 
 
 def dense_weight(lin: Linear) -> torch.Tensor:
-    """The [out, in] weight of a Linear, also when oneDNN holds it prepacked (exact: x = I)."""
-    if lin.weight is not None:
-        return lin.weight
-    eye = torch.eye(lin.in_features, dtype=lin.dtype, device=lin.device)
-    return torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "").T.contiguous()
+    """The [out, in] weight of a Linear, whichever layouts (oneDNN-prepacked, skinny) hold it."""
+    return lin.dense_weight()
 
 
 class FP16KVOverflow(Fault):
@@ -78,8 +75,8 @@ class FP16KVOverflow(Fault):
         w = (dense_weight(L.qkv).float() * rows[:, None]).to(L.qkv.dtype)
         b = None if L.qkv.bias is None else (L.qkv.bias.float() * rows).to(L.qkv.bias.dtype)
         wo = (dense_weight(L.o).float() / f).to(L.o.dtype)
-        self.patch(L, "qkv", Linear(w.contiguous(), b))
-        self.patch(L, "o", Linear(wo.contiguous(), L.o.bias))
+        self.patch(L, "qkv", Linear(w.contiguous(), b, compute_dtype=L.qkv.compute_dtype))
+        self.patch(L, "o", Linear(wo.contiguous(), L.o.bias, compute_dtype=L.o.compute_dtype))
         # Pages computed now hold the rescaled layer's K/V: they leave the prefix cache on disable.
         self._cached_before = dict(eng.pool.cached)
 

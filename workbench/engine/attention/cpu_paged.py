@@ -6,8 +6,9 @@ csrc/paged_decode.cpp walks the block table and reads each page once, as the pag
 kernels of vLLM, FlashAttention and ATB do on their devices. Same contract, same plan,
 same results (checked against dense attention in tests/test_attention.py).
 
-It falls back to the torch path, per step, where the kernel does not apply: a cache that
-is not float32 (fp16, fp16_scaled), or a page_reader set through the backend's seam (a
+It reads float32 and bfloat16 pages (bf16 widened as loaded: half the bytes of a decode
+step's KV traffic). It falls back to the torch path, per step, where the kernel does not
+apply: a float16 or fp16_scaled cache, or a page_reader set through the backend's seam (a
 fault emulating device memory, page_out_of_range unchecked): it must see every page read.
 """
 from __future__ import annotations
@@ -17,9 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import kv_scale
 from ..batch import PackedBatch
 from . import native
 from .torch_ref import TorchPagedAttention
+
+
+NATIVE_CACHE_DTYPES = (torch.float32, torch.bfloat16)   # what the kernel reads in place
 
 
 @dataclass
@@ -41,7 +46,8 @@ class CpuPagedAttention(TorchPagedAttention):
         # The kernel reads float32 pages in place from a table on the CPU; a page_reader (a fault
         # emulating device memory) must see every page read, so the kernel steps aside for it.
         return (self.kernel is not None and batch.block_tables.device.type == "cpu" and self.page_reader is None
-                and q_dtype == torch.float32 and cache is not None and cache.dtype == torch.float32)
+                and q_dtype in (torch.float32, torch.bfloat16) and cache is not None
+                and cache.dtype in NATIVE_CACHE_DTYPES and kv_scale.page_scale(cache) is None)
 
     def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:
         if len(rows_all) == 0 or not self._native_ok(batch, q_dtype, cache):
@@ -55,10 +61,18 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def decode(self, q, k_cache, v_cache, groups: list, out: torch.Tensor) -> None:
         if groups and isinstance(groups[0], NativeDecode):
-            if k_cache.dtype != torch.float32 or q.dtype != torch.float32:
-                raise RuntimeError("compiled decode planned for a float32 cache; got "
-                                   f"cache {k_cache.dtype}, q {q.dtype}")
+            if k_cache.dtype not in NATIVE_CACHE_DTYPES or kv_scale.page_scale(k_cache) is not None:
+                raise RuntimeError(f"compiled decode planned for a float32 / bfloat16 cache; got {k_cache.dtype}")
             p = groups[0]
-            self.kernel.paged_decode(q, out, k_cache, v_cache, p.tables, p.tok, p.rows, p.lens, self.scale)
+            if q.dtype == torch.float32:
+                self.kernel.paged_decode(q, out, k_cache, v_cache, p.tables, p.tok, p.rows, p.lens, self.scale)
+                return
+            # bf16 compute (native bf16 CPUs): the kernel takes fp32 queries; widen the decode
+            # rows only, and round their outputs back.
+            qd = q.index_select(0, p.tok).float()
+            od = torch.empty_like(qd)
+            self.kernel.paged_decode(qd, od, k_cache, v_cache, p.tables, torch.arange(len(p.tok)), p.rows, p.lens,
+                                     self.scale)
+            out.index_copy_(0, p.tok, od.to(out.dtype))
             return
         super().decode(q, k_cache, v_cache, groups, out)

@@ -36,20 +36,27 @@ def kernel():
     with _lock:
         if "module" in _state:
             return _state["module"]
-        mod, why = None, None
         if os.environ.get("PAGEDKV_ATTENTION", "auto") == "torch":
-            why = "PAGEDKV_ATTENTION=torch"
+            mod, why = None, "PAGEDKV_ATTENTION=torch"
         else:
-            try:
-                from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
-                mod = load(name="pagedkv_paged_decode", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir()), verbose=False)
-            except Exception as e:               # no compiler, no headers, ...: keep the torch path
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                log.warning("compiled CPU decode attention unavailable (%s): using the torch path", why)
+            mod, why = compile_extension("pagedkv_paged_decode", SOURCE, "compiled CPU decode attention")
         _state["module"], _state["why"] = mod, why
         return mod
+
+
+def compile_extension(name: str, source: Path, what: str):
+    """(module, None) once built and loaded from build_dir(), or (None, why) with a warning."""
+    try:
+        from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
+        # 512-bit vectors: g++ prefers 256 on these cores, and the loops below are bound by
+        # loads and FMAs, not by the clock drop that preference guards against.
+        return load(name=name, sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False), None
+    except Exception as e:               # no compiler, no headers, ...: keep the torch path
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("%s unavailable (%s): using the torch path", what, why)
+        return None, why
 
 
 def _rows(x: torch.Tensor):
@@ -81,11 +88,18 @@ def unavailable_reason() -> str | None:
 
 
 def main() -> int:
-    """Build now and say so (`make` runs this during setup, so no test pays the compile)."""
+    """Build the compiled CPU kernels now and say so (`make` runs this during setup, so no test
+    pays the compile): decode attention here, the skinny GEMM (engine/skinny_gemm.py)."""
     import time
     t = time.perf_counter()
     if kernel() is None:
         print(f"compiled CPU decode attention: unavailable ({unavailable_reason()}); the torch path will run")
     else:
         print(f"compiled CPU decode attention: ready in {time.perf_counter() - t:.1f} s ({build_dir()})")
+    from .. import skinny_gemm
+    t = time.perf_counter()
+    if skinny_gemm.kernel() is None:
+        print(f"compiled skinny GEMM: unavailable ({skinny_gemm.unavailable_reason()}); oneDNN / F.linear will run")
+    else:
+        print(f"compiled skinny GEMM: ready in {time.perf_counter() - t:.1f} s")
     return 0

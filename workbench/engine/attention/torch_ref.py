@@ -63,10 +63,10 @@ class TorchPagedAttention(AttentionBackend):
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def fused_rope_write(self, q_dtype, cache) -> bool:
-        # The compiled pass stores a plain float32 row per slot: the layout contract of an
-        # unscaled float32 cache on the CPU, with a float32 model.
+        # The compiled pass rotates float32 q|k and stores a plain row per slot: the layout
+        # contract of an unscaled float32 or bfloat16 cache on the CPU, with float32 compute.
         return (self.fuse_rope_write and cache.device.type == "cpu" and q_dtype == torch.float32
-                and cache.dtype == torch.float32 and cache.is_contiguous()
+                and cache.dtype in (torch.float32, torch.bfloat16) and cache.is_contiguous()
                 and kv_scale.page_scale(cache) is None and native.kernel() is not None)
 
     def rope_write(self, qkv, cos, sin, k_cache, v_cache, batch: PackedBatch) -> None:

@@ -3,41 +3,73 @@
 // sequence's pages into a fresh tensor and then runs SDPA over it: three passes over
 // the KV bytes where this kernel makes one, and decode attention is memory-bound.
 //
-// Layouts (the backend contract): q, out [T, Hq, D] (rows may be strided); caches
-// [num_pages, page_size, Hkv, D] contiguous float32; block_tables [R, W] int32.
-// Work item = one decode row; the G = Hq / Hkv query heads of a KV head share its K/V loads.
+// Layouts (the backend contract): q, out [T, Hq, D] float32 (rows may be strided); caches
+// [num_pages, page_size, Hkv, D] contiguous, float32 or bfloat16 (widened as loaded: the
+// bf16 path reads half the bytes); block_tables [R, W] int32.
+// Work item = one decode row and KV head (and up to 4 of its G = Hq / Hkv query heads,
+// which share its K/V loads): 2 x Hkv items a row keep both cores busy on short batches.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+
+#include "../../csrc/avx512_math.h"
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * to_float(b[i]);
   return acc;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// The next page is elsewhere in the pool (pages are scattered): ask for it while this one
-// is computed, since the hardware prefetcher only follows the current page's stream.
-inline void prefetch_page(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 // In-place softmax of x[0:n]. exp is evaluated as 2^k * p(r) (r in [-ln2/2, ln2/2], a
 // degree-6 Taylor polynomial, relative error < 2e-7) so that the loop vectorises: a
 // scalar std::exp per score was most of the kernel's time.
 inline void softmax_inplace(float* x, int64_t n) {
+#if defined(__AVX512F__)
+  // The same in explicit 512-bit vectors: g++ does not vectorise the loop below (the
+  // float -> int bit trick), and it was ~2/3 of the kernel's compute at 3 heads a KV head.
+  if (n >= 16) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + t));
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (; t < n; ++t) mx = std::max(mx, x[t]);
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 vs = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n; t += 16) {
+      const __m512 e = pagedkv::exp512(_mm512_sub_ps(_mm512_loadu_ps(x + t), m));
+      _mm512_storeu_ps(x + t, e);
+      vs = _mm512_add_ps(vs, e);
+    }
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    if (tail) {
+      const __m512 e = pagedkv::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + t), m));
+      _mm512_mask_storeu_ps(x + t, tail, e);
+      vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(tail, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+    for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(x + t, _mm512_mul_ps(_mm512_loadu_ps(x + t), inv));
+    if (tail) _mm512_mask_storeu_ps(x + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + t), inv));
+    return;
+  }
+#endif
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, x[t]);
@@ -60,6 +92,250 @@ inline void softmax_inplace(float* x, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
 
+// What one work item needs: a decode row's pages, its KV heads [h0, h1) and their queries.
+struct Item {
+  const int32_t* pages;   // the row of the block table
+  int64_t len;            // context tokens
+  const float* q;         // the row's query heads (head 0)
+  float* out;             // its output row (head 0)
+  int64_t h0, h1;         // KV heads of this item
+};
+
+struct Geometry {
+  int64_t ps, hkv, d, g, qs1, os1, tok_stride, page_stride;
+  float scale;
+};
+
+// Ask for page j of an item (the item's heads of it) before it is read: pages are scattered
+// through the pool, and the hardware prefetcher follows one page only. Two pages ahead
+// covers the DRAM latency at one page's compute time.
+template <typename T>
+inline void prefetch_page(const T* base, const Item& it, const Geometry& g, int64_t j) {
+  const int64_t t0 = j * g.ps;
+  if (t0 >= it.len) return;
+  const char* page = reinterpret_cast<const char*>(base + static_cast<int64_t>(it.pages[j]) * g.page_stride);
+  const int64_t tokens = std::min(g.ps, it.len - t0), esz = static_cast<int64_t>(sizeof(T));
+  if (it.h1 - it.h0 == g.hkv) {                       // the whole page: one contiguous run
+    for (int64_t b = 0, n = tokens * g.tok_stride * esz; b < n; b += 64) __builtin_prefetch(page + b, 0, 3);
+    return;
+  }
+  for (int64_t s = 0; s < tokens; ++s)
+    for (int64_t b = it.h0 * g.d * esz, e = it.h1 * g.d * esz; b < e; b += 64)
+      __builtin_prefetch(page + (s * g.tok_stride) * esz + b, 0, 3);
+}
+
+#if defined(__AVX512F__)
+inline __m512 sum16_raw(const __m512* v);
+// The lane of the tree's result that holds each vector's sum, found once by feeding it
+// vectors whose sums are their own index (no hand-derived permutation to get wrong).
+inline __m512i sum16_order() {
+  static const __m512i order = [] {
+    __m512 v[16];
+    for (int t = 0; t < 16; ++t) v[t] = _mm512_set1_ps(static_cast<float>(t) / 16.f);
+    alignas(64) float got[16];
+    _mm512_store_ps(got, sum16_raw(v));
+    alignas(64) int32_t idx[16];
+    for (int lane = 0; lane < 16; ++lane) idx[static_cast<int>(got[lane] + 0.5f)] = lane;
+    return _mm512_load_si512(idx);
+  }();
+  return order;
+}
+
+// The sum of each v[t]'s 16 lanes, for 16 vectors at once: halve the width four times, each
+// step adding two vectors' halves side by side (shuffle, shuffle, add).
+inline __m512 sum16_raw(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)       // 256-bit halves: a[i] = [v2i's 8 partials | v2i+1's 8]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)       // 128-bit quarters: b[i] = 4 partials of v4i .. v4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)       // pairs inside each 128-bit lane
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+// The sums in order: the tree leaves them permuted across lanes.
+inline __m512 sum16(const __m512* v) { return _mm512_permutexvar_ps(sum16_order(), sum16_raw(v)); }
+
+#endif
+
+#if defined(__AVX512F__)
+// Scores of GQ query heads (d = 16 * DV, q rows qs1 apart) over m tokens of one KV head's
+// slice of a page; sc[gi * len + s] = q_gi . k_s * scale.
+template <typename T, int DV, int GQ>
+void qk_page(const float* q, int64_t qs1, const T* k, int64_t m, int64_t tok_stride, float* sc, int64_t len,
+             float scale) {
+  using pagedkv::load16;
+  __m512 qv[GQ][DV];
+  for (int gi = 0; gi < GQ; ++gi)
+    for (int j = 0; j < DV; ++j) qv[gi][j] = _mm512_loadu_ps(q + gi * qs1 + 16 * j);
+  int64_t s = 0;
+  // 16 tokens at a time: 16 partial dot products per query head, summed across lanes in
+  // one transpose tree (~3 ops a score where a horizontal sum each costs ~8 and a chain).
+  for (; s + 16 <= m; s += 16) {
+    const T* kt = k + s * tok_stride;
+    for (int gi = 0; gi < GQ; ++gi) {
+      __m512 part[16];
+      for (int t = 0; t < 16; ++t) {
+        const T* kr = kt + t * tok_stride;
+        __m512 acc = _mm512_mul_ps(qv[gi][0], load16(kr));
+        for (int j = 1; j < DV; ++j) acc = _mm512_fmadd_ps(qv[gi][j], load16(kr + 16 * j), acc);
+        part[t] = acc;
+      }
+      _mm512_storeu_ps(sc + gi * len + s, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+    }
+  }
+  for (; s < m; ++s) {
+    const T* kt = k + s * tok_stride;
+    __m512 kv[DV];
+    for (int j = 0; j < DV; ++j) kv[j] = load16(kt + 16 * j);
+    for (int gi = 0; gi < GQ; ++gi) {
+      __m512 acc = _mm512_mul_ps(qv[gi][0], kv[0]);
+      for (int j = 1; j < DV; ++j) acc = _mm512_fmadd_ps(qv[gi][j], kv[j], acc);
+      sc[gi * len + s] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// acc[gi] += sum_s p[gi * len + s] * v_s over m tokens of one KV head's slice of a page;
+// the GQ x DV accumulators stay in registers for the page.
+template <typename T, int DV, int GQ>
+void pv_page(const float* p, int64_t len, const T* v, int64_t m, int64_t tok_stride, float* acc, int64_t d) {
+  using pagedkv::load16;
+  __m512 a[GQ][DV];
+  for (int gi = 0; gi < GQ; ++gi)
+    for (int j = 0; j < DV; ++j) a[gi][j] = _mm512_loadu_ps(acc + gi * d + 16 * j);
+  for (int64_t s = 0; s < m; ++s) {
+    const T* vt = v + s * tok_stride;
+    __m512 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = load16(vt + 16 * j);
+    for (int gi = 0; gi < GQ; ++gi) {
+      const __m512 w = _mm512_set1_ps(p[gi * len + s]);
+      for (int j = 0; j < DV; ++j) a[gi][j] = _mm512_fmadd_ps(w, vv[j], a[gi][j]);
+    }
+  }
+  for (int gi = 0; gi < GQ; ++gi)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + gi * d + 16 * j, a[gi][j]);
+}
+#endif
+
+// Any d, any T: the same two steps with loops the compiler vectorises as it can.
+template <typename T>
+void qk_page_generic(const float* q, int64_t qs1, int64_t gq, const T* k, int64_t m, int64_t tok_stride, float* sc,
+                     int64_t len, float scale, int64_t d) {
+  for (int64_t s = 0; s < m; ++s)
+    for (int64_t gi = 0; gi < gq; ++gi) sc[gi * len + s] = dot(q + gi * qs1, k + s * tok_stride, d) * scale;
+}
+
+template <typename T>
+void pv_page_generic(const float* p, int64_t len, int64_t gq, const T* v, int64_t m, int64_t tok_stride, float* acc,
+                     int64_t d) {
+  for (int64_t s = 0; s < m; ++s)
+    for (int64_t gi = 0; gi < gq; ++gi) axpy(acc + gi * d, p[gi * len + s], v + s * tok_stride, d);
+}
+
+// The largest group of query heads one step holds in registers for this head size.
+inline int64_t heads_per_step(int64_t d, int64_t g) {
+#if defined(__AVX512F__)
+  if (d == 64) return std::min<int64_t>(g, 4);
+  if (d == 128) return std::min<int64_t>(g, 2);
+#endif
+  return g;
+}
+
+// The compiled steps for (T, d, query heads at a time), or null for the generic loops.
+template <typename T>
+struct Steps {
+  void (*qk)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t, float) = nullptr;
+  void (*pv)(const float*, int64_t, const T*, int64_t, int64_t, float*, int64_t) = nullptr;
+};
+
+template <typename T>
+Steps<T> steps_for(int64_t d, int64_t gq) {
+  Steps<T> st;
+#if defined(__AVX512F__)
+#define PAGEDKV_STEPS(DV, GQ) \
+  if (d == 16 * DV && gq == GQ) { st.qk = &qk_page<T, DV, GQ>; st.pv = &pv_page<T, DV, GQ>; }
+  PAGEDKV_STEPS(4, 1) PAGEDKV_STEPS(4, 2) PAGEDKV_STEPS(4, 3) PAGEDKV_STEPS(4, 4)
+  PAGEDKV_STEPS(8, 1) PAGEDKV_STEPS(8, 2)
+#undef PAGEDKV_STEPS
+#endif
+  return st;
+}
+
+// One item: scores of all its query heads page by page, softmax, then P.V page by page.
+// A page is visited once per pass for all the item's heads: its bytes are read together.
+template <typename T>
+void run_item(const Item& it, const T* kp, const T* vp, const Geometry& g, const Steps<T>& st, int64_t gq,
+              float* scores, float* acc) {
+  const int64_t len = it.len, ps = g.ps, d = g.d, first = it.h0 * g.g, heads = (it.h1 - it.h0) * g.g;
+  const int64_t pages = (len + ps - 1) / ps;
+  prefetch_page(kp, it, g, 0);
+  prefetch_page(kp, it, g, 1);
+  for (int64_t j = 0; j < pages; ++j) {
+    const int64_t t0 = j * ps, m = std::min(ps, len - t0);
+    if (j + 2 < pages) prefetch_page(kp, it, g, j + 2);
+    else prefetch_page(vp, it, g, j + 2 - pages);          // V's first pages, read after the softmax
+    const T* page = kp + static_cast<int64_t>(it.pages[j]) * g.page_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h)
+      for (int64_t c = 0; c < g.g; c += gq) {
+        const int64_t qi = h * g.g + c, n = std::min(gq, g.g - c);
+        float* sc = scores + (qi - first) * len + t0;
+        if (st.qk && n == gq) st.qk(it.q + qi * g.qs1, g.qs1, page + h * d, m, g.tok_stride, sc, len, g.scale);
+        else qk_page_generic(it.q + qi * g.qs1, g.qs1, n, page + h * d, m, g.tok_stride, sc, len, g.scale, d);
+      }
+  }
+  for (int64_t i = 0; i < heads; ++i) softmax_inplace(scores + i * len, len);
+  std::fill(acc, acc + heads * d, 0.f);
+  for (int64_t j = 0; j < pages; ++j) {
+    const int64_t t0 = j * ps, m = std::min(ps, len - t0);
+    prefetch_page(vp, it, g, j + 2);
+    const T* page = vp + static_cast<int64_t>(it.pages[j]) * g.page_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h)
+      for (int64_t c = 0; c < g.g; c += gq) {
+        const int64_t qi = h * g.g + c, n = std::min(gq, g.g - c);
+        const float* p = scores + (qi - first) * len + t0;
+        float* a = acc + (qi - first) * d;
+        if (st.pv && n == gq) st.pv(p, len, page + h * d, m, g.tok_stride, a, d);
+        else pv_page_generic(p, len, n, page + h * d, m, g.tok_stride, a, d);
+      }
+  }
+  for (int64_t i = 0; i < heads; ++i)
+    std::copy(acc + i * d, acc + (i + 1) * d, it.out + (first + i) * g.os1);
+}
+
+template <typename T>
+void decode_all(const float* qp, float* op, const T* kp, const T* vp, const int32_t* bt, const int64_t* tk,
+                const int64_t* rw, const int32_t* ln, int64_t n, int64_t width, int64_t qs0, int64_t os0,
+                const Geometry& geo) {
+  const int64_t gq = heads_per_step(geo.d, geo.g);
+  const Steps<T> st = steps_for<T>(geo.d, gq);
+  // Work items, longest rows first, handed out one at a time (LPT): rows differ in length by
+  // 10-100x, and a static split leaves one core idle while the other finishes the long rows.
+  // A whole row (all its KV heads: each page read as one block) when there are enough rows
+  // to share out; one KV head of a row when there are few (a single stream still uses every core).
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ln[a] > ln[b]; });
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t split = n < 4 * threads ? geo.hkv : 1, items = n * split;
+  const int64_t max_len = n ? ln[order[0]] : 0, heads = geo.hkv / split * geo.g;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, items)));
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scores(heads * max_len + 16), acc(heads * geo.d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t i = order[w / split], h0 = (w % split) * (geo.hkv / split);
+      Item it{bt + rw[i] * width, ln[i], qp + tk[i] * qs0, op + tk[i] * os0, h0, h0 + geo.hkv / split};
+      run_item<T>(it, kp, vp, geo, st, gq, scores.data(), acc.data());
+    }
+  }
+}
+
 }  // namespace
 
 // Returns nothing: writes out[tok[i], h*G:(h+1)*G, :] for every decode row i and KV head h.
@@ -67,9 +343,10 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                   const torch::Tensor& tok, const torch::Tensor& bt_rows, const torch::Tensor& lens,
                   double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
-              "paged_decode: float32 only");
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
+                  (kt == torch::kFloat || kt == torch::kBFloat16) && v_cache.scalar_type() == kt,
+              "paged_decode: float32 q / out and a float32 or bfloat16 cache only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
               "paged_decode: caches and block tables must be contiguous");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.dim() == 3 && out.stride(2) == 1,
@@ -78,7 +355,7 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
                   bt_rows.scalar_type() == torch::kLong && lens.scalar_type() == torch::kInt,
               "paged_decode: index dtypes");
   const int64_t num_pages = k_cache.size(0), ps = k_cache.size(1), hkv = k_cache.size(2),
-                d = k_cache.size(3), hq = q.size(1), g = hq / hkv, width = block_tables.size(1);
+                d = k_cache.size(3), hq = q.size(1), width = block_tables.size(1);
   const int64_t n = tok.numel();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t* tk = tok.data_ptr<int64_t>();
@@ -95,96 +372,15 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
       TORCH_CHECK_INDEX(row[j] >= 0 && row[j] < num_pages, "index ", row[j], " is out of bounds for dimension 0 "
                   "with size ", num_pages, " (paged_decode: page id in block table row ", rw[i], ")");
   }
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t tok_stride = hkv * d, page_stride = ps * hkv * d;
-  const float sc = static_cast<float>(scale);
-
-  // Longest rows first, handed out one at a time (LPT): rows differ in length by 10-100x,
-  // and a static split leaves one core idle while the other finishes the long rows.
-  std::vector<int64_t> order(n);
-  for (int64_t i = 0; i < n; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ln[a] > ln[b]; });
-  const int64_t max_len = n ? ln[order[0]] : 0;
-  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n));
-
-#pragma omp parallel num_threads(nthreads)
-  {
-    // A work item is one decode row with all its KV heads: each page is then read as one
-    // contiguous block (page_size x Hkv x D), which the hardware prefetcher streams.
-    std::vector<float> scores(hq * max_len), acc(hq * d);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t oi = 0; oi < n; ++oi) {
-      const int64_t i = order[oi], len = ln[i];
-      const int32_t* row = bt + rw[i] * width;
-      const float* qrow = qp + tk[i] * qs0;
-      // scores[hq_i, t] = q . k_t * scale over pages read in place; four tokens at a time
-      // give four independent FMA chains per query head instead of one latency-bound one.
-      for (int64_t t0 = 0, j = 0; t0 < len; t0 += ps, ++j) {
-        const float* kpage = kp + static_cast<int64_t>(row[j]) * page_stride;
-        const int64_t m = std::min(ps, len - t0);
-        if (t0 + ps < len) prefetch_page(kp + static_cast<int64_t>(row[j + 1]) * page_stride, page_stride);
-        int64_t s = 0;
-        for (; s + 4 <= m; s += 4) {
-          for (int64_t h = 0; h < hkv; ++h) {
-            const float *k0 = kpage + s * tok_stride + h * d, *k1 = k0 + tok_stride, *k2 = k1 + tok_stride,
-                        *k3 = k2 + tok_stride;
-            for (int64_t gi = 0; gi < g; ++gi) {
-              const int64_t qi = h * g + gi;
-              const float* qg = qrow + qi * qs1;
-              float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-              for (int64_t x = 0; x < d; ++x) {
-                a0 += qg[x] * k0[x];
-                a1 += qg[x] * k1[x];
-                a2 += qg[x] * k2[x];
-                a3 += qg[x] * k3[x];
-              }
-              float* sg = scores.data() + qi * len + t0 + s;
-              sg[0] = a0 * sc, sg[1] = a1 * sc, sg[2] = a2 * sc, sg[3] = a3 * sc;
-            }
-          }
-        }
-        for (; s < m; ++s)
-          for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t gi = 0; gi < g; ++gi)
-              scores[(h * g + gi) * len + t0 + s] = dot(qrow + (h * g + gi) * qs1, kpage + s * tok_stride + h * d, d) * sc;
-      }
-      for (int64_t qi = 0; qi < hq; ++qi) softmax_inplace(scores.data() + qi * len, len);
-      // out[hq_i] = sum_t p[hq_i, t] v_t, four tokens per pass over the accumulator
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0, j = 0; t0 < len; t0 += ps, ++j) {
-        const float* vpage = vp + static_cast<int64_t>(row[j]) * page_stride;
-        const int64_t m = std::min(ps, len - t0);
-        if (t0 + ps < len) prefetch_page(vp + static_cast<int64_t>(row[j + 1]) * page_stride, page_stride);
-        int64_t s = 0;
-        for (; s + 4 <= m; s += 4) {
-          for (int64_t h = 0; h < hkv; ++h) {
-            const float *v0 = vpage + s * tok_stride + h * d, *v1 = v0 + tok_stride, *v2 = v1 + tok_stride,
-                        *v3 = v2 + tok_stride;
-            for (int64_t gi = 0; gi < g; ++gi) {
-              const int64_t qi = h * g + gi;
-              const float* p = scores.data() + qi * len + t0 + s;
-              const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-              float* y = acc.data() + qi * d;
-#pragma omp simd
-              for (int64_t x = 0; x < d; ++x) y[x] += p0 * v0[x] + p1 * v1[x] + p2 * v2[x] + p3 * v3[x];
-            }
-          }
-        }
-        for (; s < m; ++s)
-          for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t gi = 0; gi < g; ++gi)
-              axpy(acc.data() + (h * g + gi) * d, scores[(h * g + gi) * len + t0 + s],
-                   vpage + s * tok_stride + h * d, d);
-      }
-      for (int64_t qi = 0; qi < hq; ++qi)
-        std::copy(acc.begin() + qi * d, acc.begin() + (qi + 1) * d, op + tk[i] * os0 + qi * os1);
-    }
-  }
+  TORCH_CHECK(hq % hkv == 0, "paged_decode: ", hq, " query heads do not share ", hkv, " KV heads evenly");
+  const Geometry geo{ps, hkv, d, hq / hkv, q.stride(1), out.stride(1), hkv * d, ps * hkv * d, static_cast<float>(scale)};
+  if (kt == torch::kFloat)
+    decode_all<float>(q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                      v_cache.data_ptr<float>(), bt, tk, rw, ln, n, width, q.stride(0), out.stride(0), geo);
+  else
+    decode_all<c10::BFloat16>(q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
+                              v_cache.data_ptr<c10::BFloat16>(), bt, tk, rw, ln, n, width, q.stride(0),
+                              out.stride(0), geo);
 }
 
 // ---- the small per-layer ops around attention ------------------------------------------
@@ -221,11 +417,21 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
 // as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
 // slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);   // round to nearest even, as torch's .to()
+  }
+}
+
 void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                 torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv) {
+  const auto ct = k_cache.scalar_type();
   TORCH_CHECK(qkv.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
-                  sin.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat, "rope_write: float32 only");
+                  sin.scalar_type() == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16) &&
+                  v_cache.scalar_type() == ct, "rope_write: float32 q|k|v, a float32 or bfloat16 cache");
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && slots.is_contiguous(), "rope_write: contiguous tensors only");
   TORCH_CHECK(slots.scalar_type() == torch::kLong, "rope_write: slots must be int64");
@@ -241,8 +447,7 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  auto body = [&](auto* kc, auto* vc) {
   at::parallel_for(0, t_n, 64, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       float* row = base + t * width;
@@ -257,10 +462,15 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
           x[i + half] = bb * c[i + half] + a * s[i + half];
         }
       }
-      std::copy(row + hq * d, row + hq * d + kv, kc + sl[t] * kv);
-      std::copy(row + hq * d + kv, row + hq * d + 2 * kv, vc + sl[t] * kv);
+      store_row(kc + sl[t] * kv, row + hq * d, kv);
+      store_row(vc + sl[t] * kv, row + hq * d + kv, kv);
     }
   });
+  };
+  if (ct == torch::kFloat)
+    body(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else
+    body(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
 }
 
 // Per-row max |x| of x [R, C] (contiguous rows), NaN-propagating like torch.amax: the
@@ -310,13 +520,13 @@ double absmax(const torch::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while it runs, as torch's own ops do: submitter threads keep going.
-  m.def("paged_decode", &paged_decode, "paged decode attention over pages read in place (float32, CPU)",
+  m.def("paged_decode", &paged_decode, "paged decode attention over pages read in place (float32 q, float32 / bf16 pages, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("row_absmax", &row_absmax, "max |x| per row, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("absmax", &absmax, "max |x| over a tensor, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32, CPU)", py::call_guard<py::gil_scoped_release>());
-  m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32, CPU)",
+  m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v, float32 / bf16 cache, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

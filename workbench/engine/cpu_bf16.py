@@ -1,0 +1,73 @@
+"""Which bfloat16 path this CPU gets: "native" bf16 GEMMs, or bf16 storage computed in float32.
+
+bfloat16 halves the bytes of the weights and the KV pages on every CPU; whether it also
+runs faster GEMMs depends on the silicon. With avx512_bf16 or AMX, oneDNN's bf16 kernels
+(fp32 accumulate) outrun its fp32 ones, and the engine computes in bf16 ("native").
+Without them oneDNN emulates bf16 and a GEMM runs ~4.5x slower than in float32 (measured
+here: 67 vs 305 GFLOP/s), so the engine keeps the weights and KV pages in bf16 and computes
+in float32 ("storage"): the skinny GEMM widens bf16 weights in registers at decode sizes
+(half the bytes streamed), large GEMMs widen a layer's weights once per call, and the KV
+pages are widened as the attention kernels read them. The widening is exact, so the
+results are those of a float32 model whose weights were rounded to bf16 once: within
+bf16's tolerance of the float32 model, closer to it than bf16 arithmetic. The mode is
+decided once per process; PAGEDKV_BF16=native|storage overrides it (tests, A/B runs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+MODES = ("native", "storage")
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware() -> tuple[bool, str]:
+    """(native bf16 GEMMs on this CPU, what showed it)."""
+    have = []
+    for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                have.append(name)
+        except Exception:         # an older torch without the probe: read the flags instead
+            pass
+    if not have:
+        try:
+            flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
+            have = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+        except OSError:
+            pass
+    if have:
+        return True, f"the CPU has {' and '.join(have)}"
+    return False, "the CPU has neither avx512_bf16 nor AMX, so bf16 GEMMs would be emulated (~4.5x slower than fp32)"
+
+
+def mode(device: torch.device | str = "cpu") -> str:
+    """'native' or 'storage' for bfloat16 on this device (non-CPU devices: always native)."""
+    if torch.device(device).type != "cpu":
+        return "native"
+    forced = os.environ.get("PAGEDKV_BF16", "").strip().lower()
+    if forced:
+        if forced not in MODES:
+            raise ValueError(f"PAGEDKV_BF16={forced!r}: expected one of {', '.join(MODES)}")
+        return forced
+    return "native" if _hardware()[0] else "storage"
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype activations are computed in for a model stored in `dtype` on `device`."""
+    if dtype == torch.bfloat16 and mode(device) == "storage":
+        return torch.float32
+    return dtype
+
+
+def describe(device: torch.device | str = "cpu") -> str:
+    """One line for `kvwb doctor` and the benchmarks: the mode and why."""
+    m = mode(device)
+    why = "PAGEDKV_BF16 set" if os.environ.get("PAGEDKV_BF16") else _hardware()[1]
+    if m == "native":
+        return f"native: bf16 GEMMs with fp32 accumulate, bf16 KV pages ({why})"
+    return (f"storage: bf16 weights and KV pages, computed in fp32 ({why}); "
+            "results within bf16 tolerance of fp32")

@@ -1,0 +1,245 @@
+// Skinny GEMM on the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias, + a fused epilogue) for the
+// few rows of a decode step (M <= ~48), with W in float32 or bfloat16.
+//
+// Why: at decode sizes a linear streams its weights once and does ~2 M flops per weight, so
+// it is bound by memory for small M and by FMAs for M ~ 16-48. oneDNN's prepacked kernel
+// reaches ~10 GB/s of weights at M = 24 here (30 layers, weights from DRAM); this kernel
+// keeps the weights in one sequential stream per thread and every FMA fed from registers.
+// With bfloat16 weights it reads half the bytes and computes in float32 (a bf16 -> fp32
+// widening is a shift), which is exact for the weights and needs no bf16 instructions.
+//
+// Layout (pack()): W is cut into blocks of 16 output columns, each stored k-major,
+// Wp[nb][k][16]: one 64-byte (fp32) or 32-byte (bf16) load gives the 16 columns' weights
+// at k. The microkernel holds MR rows x 2 blocks of accumulators (12 zmm at MR = 6) and
+// per k does 2 weight loads, MR broadcasts of x and 2 MR FMAs: no horizontal sums.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "avx512_math.h"
+
+namespace {
+
+constexpr int64_t NB = 16;   // output columns per block (one zmm of float32)
+constexpr int MR = 8;        // rows per microkernel tile (16 accumulators with 2 blocks)
+
+enum Act : int64_t { ACT_NONE = 0, ACT_SILU = 1 };
+enum Bin : int64_t { BIN_NONE = 0, BIN_MUL = 1, BIN_ADD = 2 };
+
+inline float silu_scalar(float v) { return v / (1.f + std::exp(-v)); }
+
+#if defined(__AVX512F__)
+using pagedkv::exp512;
+using pagedkv::load16;
+
+inline __m512 silu512(__m512 v) {
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+// Ask for the next column pair's weights (into L2) while this pair's tiles compute: each
+// tile covers its share of the pair's cache lines, so for M > MR the weight stream and the
+// FMAs overlap instead of alternating (a pair's second tile would otherwise run with the
+// memory idle, its first with the FMAs waiting).
+struct Prefetch {
+  const char* base = nullptr;   // the next pair's first byte, or null at the last pair
+  int64_t first = 0, count = 0; // this tile's cache lines of it
+};
+
+// One tile: rows [0, R) of x (R <= MR) against column blocks w0 (and w1 when two), then
+// the epilogue, stored into y's columns [n0, n0 + 16 * blocks) masked to N.
+template <typename T, int R, int BLOCKS>
+inline void tile(const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K, float* y, int64_t ldy,
+                 int64_t n0, int64_t N, const float* bias, int64_t act, const float* other, int64_t ldo,
+                 int64_t bin, Prefetch pf) {
+  __m512 a0[R], a1[R];
+  for (int m = 0; m < R; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  // pf.count lines over K steps without a division per step (an idiv costs more than the FMAs).
+  const char* line = pf.base ? pf.base + pf.first * 64 : nullptr;
+  int64_t credit = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    if (line) {
+      for (credit += pf.count; credit >= K; credit -= K, line += 64) _mm_prefetch(line, _MM_HINT_T1);
+    }
+    const __m512 b0 = load16(w0 + k * NB);
+    const __m512 b1 = BLOCKS == 2 ? load16(w1 + k * NB) : b0;
+    for (int m = 0; m < R; ++m) {
+      const __m512 xa = _mm512_set1_ps(x[m * ldx + k]);
+      a0[m] = _mm512_fmadd_ps(xa, b0, a0[m]);
+      if (BLOCKS == 2) a1[m] = _mm512_fmadd_ps(xa, b1, a1[m]);
+    }
+  }
+  for (int blk = 0; blk < BLOCKS; ++blk) {
+    const int64_t n = n0 + blk * NB;
+    const int64_t left = N - n;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= NB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m) {
+      __m512 v = _mm512_add_ps(blk == 0 ? a0[m] : a1[m], bv);
+      if (act == ACT_SILU) v = silu512(v);
+      if (bin != BIN_NONE) {
+        const __m512 o = _mm512_maskz_loadu_ps(mask, other + m * ldo + n);
+        v = bin == BIN_MUL ? _mm512_mul_ps(v, o) : _mm512_add_ps(v, o);
+      }
+      _mm512_mask_storeu_ps(y + m * ldy + n, mask, v);
+    }
+  }
+}
+
+template <typename T, int BLOCKS>
+inline void rows_tile(int64_t r, const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K, float* y,
+                      int64_t ldy, int64_t n0, int64_t N, const float* bias, int64_t act, const float* other,
+                      int64_t ldo, int64_t bin, Prefetch pf) {
+  switch (r) {
+#define PAGEDKV_TILE(RR) \
+  case RR: tile<T, RR, BLOCKS>(x, ldx, w0, w1, K, y, ldy, n0, N, bias, act, other, ldo, bin, pf); break;
+    PAGEDKV_TILE(1) PAGEDKV_TILE(2) PAGEDKV_TILE(3) PAGEDKV_TILE(4) PAGEDKV_TILE(5) PAGEDKV_TILE(6) PAGEDKV_TILE(7) PAGEDKV_TILE(8)
+#undef PAGEDKV_TILE
+    default: break;
+  }
+}
+#endif  // __AVX512F__
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// The portable path (no AVX-512): same layout and epilogues, loops the compiler vectorises.
+template <typename T>
+void pair_portable(const float* x, int64_t ldx, int64_t M, const T* wp, int64_t K, float* y, int64_t ldy,
+                   int64_t nb, int64_t N, const float* bias, int64_t act, const float* other, int64_t ldo,
+                   int64_t bin) {
+  float acc[NB];
+  const T* w = wp + nb * K * NB;
+  for (int64_t m = 0; m < M; ++m) {
+    std::fill(acc, acc + NB, 0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[m * ldx + k];
+      for (int64_t j = 0; j < NB; ++j) acc[j] += xv * to_float(w[k * NB + j]);
+    }
+    for (int64_t j = 0; j < NB && nb * NB + j < N; ++j) {
+      const int64_t n = nb * NB + j;
+      float v = acc[j] + (bias ? bias[n] : 0.f);
+      if (act == ACT_SILU) v = silu_scalar(v);
+      if (bin == BIN_MUL) v *= other[m * ldo + n];
+      if (bin == BIN_ADD) v += other[m * ldo + n];
+      y[m * ldy + n] = v;
+    }
+  }
+}
+
+template <typename T>
+void run(const float* x, int64_t ldx, int64_t M, const T* wp, int64_t K, int64_t N, float* y, int64_t ldy,
+         const float* bias, int64_t act, const float* other, int64_t ldo, int64_t bin) {
+  const int64_t blocks = (N + NB - 1) / NB, pairs = (blocks + 1) / 2;
+  // Static contiguous split over column pairs: each thread streams one contiguous run of Wp.
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b0 = 2 * p, two = b0 + 1 < blocks;
+#if defined(__AVX512F__)
+      const T* w0 = wp + b0 * K * NB;
+      const T* w1 = two ? w0 + K * NB : w0;
+      // The next pair of this thread, as cache lines, shared out over this pair's tiles.
+      const int64_t nb_next = std::min<int64_t>(2, blocks - (b0 + 2));
+      const int64_t lines = p + 1 < p1 ? nb_next * K * NB * static_cast<int64_t>(sizeof(T)) / 64 : 0;
+      const int64_t tiles = (M + MR - 1) / MR;
+      for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
+        const int64_t r = std::min<int64_t>(MR, M - m0);
+        const float* xo = x + m0 * ldx;
+        float* yo = y + m0 * ldy;
+        const float* oo = other ? other + m0 * ldo : nullptr;
+        Prefetch pf;
+        if (lines > 0)
+          pf = {reinterpret_cast<const char*>(w0 + 2 * K * NB), t * lines / tiles, (t + 1) * lines / tiles - t * lines / tiles};
+        if (two)
+          rows_tile<T, 2>(r, xo, ldx, w0, w1, K, yo, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
+        else
+          rows_tile<T, 1>(r, xo, ldx, w0, w1, K, yo, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
+      }
+#else
+      pair_portable<T>(x, ldx, M, wp, K, y, ldy, b0, N, bias, act, other, ldo, bin);
+      if (two) pair_portable<T>(x, ldx, M, wp, K, y, ldy, b0 + 1, N, bias, act, other, ldo, bin);
+#endif
+    }
+  });
+}
+
+}  // namespace
+
+// W [N, K] (float32 or bfloat16) -> Wp [ceil(N / 16), K, 16], zero-padded past N.
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+              "skinny_gemm.pack: W must be [N, K] float32 or bfloat16");
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
+  auto padded = torch::zeros({blocks * NB, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({blocks, NB, K}).transpose(1, 2).contiguous();
+}
+
+// Wp back to W [N, K] as float32 (the large-M path of bfloat16 weights feeds a float32 GEMM).
+torch::Tensor unpack_float(const torch::Tensor& wp, int64_t N) {
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NB, "skinny_gemm.unpack_float: Wp must be [blocks, K, 16]");
+  return wp.transpose(1, 2).reshape({-1, wp.size(1)}).narrow(0, 0, N).to(torch::kFloat).contiguous();
+}
+
+// y = epilogue(x @ W^T + bias): act 0 none / 1 silu; then bin 0 none / 1 (* other) / 2 (+ other).
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const c10::optional<torch::Tensor>& bias,
+                   int64_t act, const c10::optional<torch::Tensor>& other, int64_t bin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "skinny_gemm: x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NB && wp.is_contiguous() && wp.size(1) == x.size(1) &&
+                  wp.size(0) * NB >= N && (wp.size(0) - 1) * NB < N,
+              "skinny_gemm: Wp [", wp.size(0), ", ", wp.size(1), ", 16] does not fit x [", x.size(0), ", ",
+              x.size(1), "] and N = ", N);
+  TORCH_CHECK(wp.scalar_type() == torch::kFloat || wp.scalar_type() == torch::kBFloat16,
+              "skinny_gemm: Wp must be float32 or bfloat16");
+  TORCH_CHECK(act == ACT_NONE || act == ACT_SILU, "skinny_gemm: act must be 0 (none) or 1 (silu)");
+  TORCH_CHECK(bin == BIN_NONE || ((bin == BIN_MUL || bin == BIN_ADD) && other.has_value()),
+              "skinny_gemm: bin must be 0, or 1 / 2 with `other`");
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "skinny_gemm: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  const float* op = nullptr;
+  int64_t ldo = 0;
+  if (bin != BIN_NONE) {
+    TORCH_CHECK(other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M &&
+                    other->size(1) == N && other->stride(1) == 1,
+                "skinny_gemm: other must be float32 [M, N] with contiguous rows");
+    op = other->data_ptr<float>();
+    ldo = other->stride(0);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (wp.scalar_type() == torch::kFloat)
+    run<float>(x.data_ptr<float>(), x.stride(0), M, wp.data_ptr<float>(), K, N, y.data_ptr<float>(), N, bp, act,
+               op, ldo, bin);
+  else
+    run<c10::BFloat16>(x.data_ptr<float>(), x.stride(0), M, wp.data_ptr<c10::BFloat16>(), K, N,
+                       y.data_ptr<float>(), N, bp, act, op, ldo, bin);
+  return y;
+}
+
+bool vectorised() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "W [N, K] -> Wp [ceil(N/16), K, 16] (the skinny GEMM's layout)");
+  m.def("unpack_float", &unpack_float, "Wp -> W [N, K] float32");
+  m.def("gemm", &gemm, "y = epilogue(x @ W^T + b) for few rows (float32 x, float32 or bfloat16 Wp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vectorised", &vectorised, "whether the AVX-512 microkernel was compiled in");
+}
