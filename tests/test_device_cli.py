@@ -256,7 +256,8 @@ def test_doctor_subprocess(tmp_path):
     proc = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for label in ("torch:", "torch_npu:", "device:", "dtypes:", "threads:", "memory bandwidth:", "matmul:", "default model:"):
+    for label in ("torch:", "torch_npu:", "device:", "dtypes:", "threads:", "memory bandwidth:", "matmul:",
+                  "matmul bf16:", "bf16 path:", "linears:", "default model:"):
         assert label in out, f"{label!r} missing from:\n{out}"
     assert torch.__version__ in out
     assert "GB/s" in out and "GFLOP/s" in out
@@ -264,6 +265,9 @@ def test_doctor_subprocess(tmp_path):
     if NO_ACCEL:
         assert "device:" in out and "cpu" in out.split("device:", 1)[1].splitlines()[0]
     assert (tmp_path / "subcache" / "peaks.json").exists()
+    from workbench.engine import cpu_bf16
+    bf16_line = out.split("bf16 path:", 1)[1].splitlines()[0]
+    assert bf16_line.strip().startswith(cpu_bf16.mode())          # which bf16 path, and why
 
     # second run reads the cache; --no-cache measures again
     again = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)

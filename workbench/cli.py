@@ -103,6 +103,13 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["attention_backend"] = get_backend(dev.type, 4, 2, 16).name
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
+    from workbench.engine import cpu_bf16, skinny_gemm
+    report["skinny_gemm"] = ("built" if skinny_gemm.kernel() is not None
+                             else f"unavailable: {skinny_gemm.unavailable_reason()}")
+    # bf16 separately: on a CPU without avx512_bf16 / AMX it is emulated, and the rate says so.
+    report["matmul_gflops_bf16"] = (dev_mod.measure_matmul_gflops(dev, dtype=torch.bfloat16, repeats=2)
+                                    if "bfloat16" in report["dtypes"] else None)
+    report["bf16_path"] = cpu_bf16.describe(dev)
     report["npu"] = dev_mod.npu_info()
     report["npu_backend"] = _npu_backend() if report["npu"] is not None else None
     return report
@@ -216,11 +223,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("threads", str(report["threads"])),
         ("memory bandwidth", f"{report['bandwidth_gbs']:.1f} GB/s (copy, read+write; {src})"),
         ("matmul", f"{report['matmul_gflops']:.1f} GFLOP/s (float32; {src})"),
+        ("matmul bf16", "n/a" if report["matmul_gflops_bf16"] is None
+         else f"{report['matmul_gflops_bf16']:.1f} GFLOP/s (bfloat16, measured now)"),
+        ("bf16 path", report["bf16_path"]),
         ("memory", mem_line),
         ("peaks cache", report["peaks_cache_file"]),
         ("default model", model_line),
         ("attention", f"{report['attention_backend']} backend; compiled CPU decode kernel "
                       f"{report['cpu_decode_kernel']}"),
+        ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; oneDNN above"),
     ]
     width = max(len(k) for k, _ in rows) + 1
     print("kvwb doctor")

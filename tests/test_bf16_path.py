@@ -1,0 +1,106 @@
+"""The bfloat16 path on the CPU: greedy outputs within bf16 tolerance of the float32 reference.
+
+On a CPU without native bf16 GEMMs (this machine: no avx512_bf16 / AMX) the engine keeps the
+weights and KV pages in bf16 and computes in float32 ("storage", engine/cpu_bf16.py); with
+PAGEDKV_BF16=native it computes in bf16 as it would on hardware that has it (emulated here:
+slow, same contract). The tolerance is measured, not assumed: the teacher-forced logits error
+of bf16 against fp32 on the reference's own tokens. A greedy run may leave the fp32 path only
+where fp32 itself is within that error of a tie.
+"""
+import pytest
+import torch
+
+from workbench import Engine, EngineConfig, SamplingParams
+from workbench.engine import cpu_bf16
+from workbench.engine.attention.cpu_paged import NativeDecode
+from workbench.engine.weights import load_model
+
+CHATS = [[{"role": "user", "content": c}] for c in (
+    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+    "Explain what a page table is in one sentence.", "Say hello in Spanish.", "What is 12 times 7?",
+    "Name a colour of the rainbow.", "Why is the sky blue? Answer briefly.")]
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm2_path):
+    eng = Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=256))
+    outs = eng.generate(CHATS[:n], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    return eng, [list(o.prompt_token_ids) + list(o.token_ids) for o in outs], [list(o.token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(smollm2_path):
+    return load_model(smollm2_path, torch.bfloat16)
+
+
+def bf16_engine(loaded, mode, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_BF16", mode)
+    return Engine(loaded, EngineConfig(num_pages=256, dtype="bfloat16"))
+
+
+def check_within_tolerance(eng, fp32, n=len(CHATS)):
+    ref, seqs, ref_tokens = fp32
+    seqs, ref_tokens = seqs[:n], ref_tokens[:n]
+    # What bf16 costs: the teacher-forced logits on fp32's own sequences.
+    want = [w.float() for w in ref.score(seqs)]
+    got = [g.float() for g in eng.score(seqs)]
+    err = torch.cat([(g - w).abs().amax(-1) for g, w in zip(got, want)])
+    scale = max(float(w.abs().max()) for w in want)
+    assert float(err.max()) < 0.08 * scale, float(err.max())            # bf16-sized, not broken
+    assert float(err.max()) > 0                                          # and really a bf16 model
+    agree = torch.cat([(g.argmax(-1) == w.argmax(-1)).float() for g, w in zip(got, want)]).mean()
+    assert float(agree) >= 0.9
+    tol = float(err.max())
+    outs = eng.generate(CHATS[:n], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    same = 0
+    for i, o in enumerate(outs):
+        toks = list(o.token_ids)
+        if toks == ref_tokens[i]:
+            same += 1
+            continue
+        j = next(t for t in range(NEW) if toks[t] != ref_tokens[i][t])
+        # At the first divergence, fp32 itself is within the bf16 error of choosing bf16's token.
+        plen = len(seqs[i]) - NEW
+        row = want[i][plen - 1 + j]
+        margin = float(row[ref_tokens[i][j]] - row[toks[j]])
+        assert 0 <= margin <= 2 * tol, (i, j, margin, tol)
+    assert same >= n // 2, same
+    return outs
+
+
+def test_bf16_storage_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch):
+    eng = bf16_engine(bf16_model, "storage", monkeypatch)
+    m = eng.model
+    assert m.weight_dtype == torch.bfloat16 and m.dtype == torch.float32      # bf16 weights, fp32 compute
+    assert eng.kv.k[0].dtype == torch.bfloat16                                # bf16 KV pages
+    lin = m.layers[0].gate
+    assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.weight is None
+    assert lin.nbytes == lin.numel * 2                                         # stored once, in bf16
+    check_within_tolerance(eng, fp32)
+    plan = eng.last_batch.attn_plan
+    assert plan.decode and isinstance(plan.decode[0], NativeDecode)           # the kernel read bf16 pages
+
+
+def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch):
+    eng = bf16_engine(bf16_model, "native", monkeypatch)
+    assert eng.model.dtype == torch.bfloat16 and eng.kv.k[0].dtype == torch.bfloat16
+    check_within_tolerance(eng, fp32, n=4)          # emulated bf16 GEMMs here: 4 chats, not 8
+    plan = eng.last_batch.attn_plan
+    assert plan.decode and isinstance(plan.decode[0], NativeDecode)
+
+
+def test_bf16_mode_follows_the_hardware_and_the_override(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_BF16", raising=False)
+    native, why = cpu_bf16._hardware()
+    assert cpu_bf16.mode() == ("native" if native else "storage")
+    assert why in cpu_bf16.describe()
+    assert cpu_bf16.compute_dtype(torch.float32) == torch.float32
+    monkeypatch.setenv("PAGEDKV_BF16", "storage")
+    assert cpu_bf16.compute_dtype(torch.bfloat16) == torch.float32
+    assert cpu_bf16.describe().startswith("storage")
+    monkeypatch.setenv("PAGEDKV_BF16", "native")
+    assert cpu_bf16.compute_dtype(torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv("PAGEDKV_BF16", "fast")
+    with pytest.raises(ValueError, match="PAGEDKV_BF16='fast'"):
+        cpu_bf16.mode()
