@@ -25,7 +25,7 @@ NEW = 32
 @pytest.fixture(scope="module")
 def fp32(smollm2_path):
     eng = Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=256))
-    outs = eng.generate(CHATS[:n], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    outs = eng.generate(CHATS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     return eng, [list(o.prompt_token_ids) + list(o.token_ids) for o in outs], [list(o.token_ids) for o in outs]
 
 
