@@ -1,0 +1,68 @@
+"""The skinny GEMM against oneDNN's prepacked linear (its peer) and F.linear, by rows.
+
+SmolLM2-135M's decoder shapes, 30 layers of distinct random weights (so they stream from DRAM as
+in a real step, not from cache), fp32 and bf16 weights; best of 5 passes. Prints ms per pass
+over all layers, the weight-streaming rate and the ratio oneDNN / skinny: the rows where the
+ratio is above 1 are the ones engine/linear.py sends to the skinny GEMM (SKINNY_MAX_ROWS).
+With bf16 weights the peer is oneDNN's fp32 kernel over fp32 weights (what the engine would
+run without the bf16 path on a CPU without native bf16).
+
+    .venv/bin/python benchmarks/linear_speed.py [--rows 1,8,16,24,32,48,64,96]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.engine import skinny_gemm  # noqa: E402
+
+SHAPES = [(832, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # qkv, o, gate, up, down
+LAYERS = 30
+
+
+def best(fn, passes=5) -> float:
+    fn()
+    out = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,16,24,32,48,64,96")
+    a = ap.parse_args(argv)
+    k = skinny_gemm.kernel()
+    if k is None:
+        raise SystemExit(f"linear_speed: the skinny GEMM is unavailable ({skinny_gemm.unavailable_reason()})")
+    g = torch.Generator().manual_seed(0)
+    fp32 = [[torch.randn(o, i, generator=g) for o, i in SHAPES] for _ in range(LAYERS)]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws] for ws in fp32]
+    print(f"{LAYERS} layers of {SHAPES}; ms per pass (weight GB/s)")
+    for dtype in (torch.float32, torch.bfloat16):
+        skinny = [[k.pack(w.to(dtype)) for w in ws] for ws in fp32]
+        nbytes = sum(p.numel() * p.element_size() for ws in skinny for p in ws)
+        print(f"== {str(dtype).removeprefix('torch.')} weights ({nbytes / 1e6:.0f} MB a pass)")
+        for rows in map(int, a.rows.split(",")):
+            xs = [torch.randn(rows, i, generator=g) for _, i in SHAPES]
+            t_sk = best(lambda: [k.gemm(x, p, o, None, 0, None, 0) for ws in skinny
+                                 for x, p, (o, _) in zip(xs, ws, SHAPES)])
+            t_dn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for ws in onednn
+                                 for x, p in zip(xs, ws)])
+            t_fl = best(lambda: [torch.nn.functional.linear(x, w) for ws in fp32 for x, w in zip(xs, ws)])
+            fp32_bytes = sum(w.numel() * 4 for ws in fp32 for w in ws)
+            print(f"  {rows:4d} rows: skinny {t_sk * 1e3:7.2f} ms ({nbytes / t_sk / 1e9:5.1f})   "
+                  f"oneDNN fp32 {t_dn * 1e3:7.2f} ms ({fp32_bytes / t_dn / 1e9:5.1f})   "
+                  f"F.linear fp32 {t_fl * 1e3:7.2f} ms   oneDNN / skinny = {t_dn / t_sk:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
