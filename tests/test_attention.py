@@ -71,6 +71,9 @@ def run_case(rng, page_size, specs, backend=TorchPagedAttention):
     out = attn.forward(q, k_new, v_new, kc, vc, b)
     if backend is CpuPagedAttention and any(n == 1 for _, n in specs):
         assert isinstance(b.attn_plan.decode[0], NativeDecode)          # the kernel ran, not the fallback
+    if backend is CpuPagedAttention and any(n > 1 for _, n in specs):
+        native = b.attn_plan.native_prefill                                # the prefill kernel ran every chunk
+        assert native is not None and not native.rest and len(native.chunks) == sum(n > 1 for _, n in specs)
     cu = b.cu_seqlens_q_np
     for i, ((kf, vf), (cached, new)) in enumerate(zip(fulls, specs)):
         ref = dense_reference(q[cu[i]:cu[i + 1]], kf, vf, cached)
@@ -163,3 +166,43 @@ def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[~ref.isnan()], ref[~ref.isnan()])
     strided = torch.randn(5, 100)[:, 10:74]                  # rows with a stride, as k/v views of qkv are
     assert torch.equal(native.kernel().row_absmax(strided), strided.abs().amax(dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 64), (4, 2, 128), (6, 3, 48)])
+def test_compiled_prefill_matches_dense(dtype, hq, hkv, d):
+    """The prefill kernel's 512-bit paths (d = 64 / 128) and its generic one (d = 48), fresh chunks
+    and chunks reading float32 / bf16 pages, against dense float64 attention on the same values."""
+    need_kernel()
+    k = native.kernel()
+    rng = np.random.default_rng(d + hq)
+    P, ps = 64, 16
+    kc, vc = torch.randn(P, ps, hkv, d).to(dtype), torch.randn(P, ps, hkv, d).to(dtype)
+    specs = [(37, 37, True), (5, 40, False), (16, 16, True), (20, 100, False), (1, 1, True), (33, 49, False)]
+    T = sum(n for n, _, _ in specs)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    kf, vf = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d), qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    bt = torch.from_numpy(rng.permutation(P)[: len(specs) * 8].reshape(len(specs), 8).astype(np.int32))
+    rows, a = [], 0
+    for i, (n, c, fresh) in enumerate(specs):
+        rows.append([a, n, c, i, int(fresh), 0])
+        a += n
+    out = torch.full((T, hq, d), float("nan"))
+    k.paged_prefill(q, out, kf, vf, kc, vc, bt, torch.tensor(rows, dtype=torch.int64), d ** -0.5)
+    g = hq // hkv
+    for a, n, c, i, fresh, _ in rows:
+        if fresh:
+            kk, vv = kf[a:a + n], vf[a:a + n]
+        else:
+            pg = bt[i, : -(-c // ps)].long()
+            kk, vv = kc[pg].reshape(-1, hkv, d)[:c], vc[pg].reshape(-1, hkv, d)[:c]
+        kk, vv = kk.double().repeat_interleave(g, 1), vv.double().repeat_interleave(g, 1)
+        s = torch.einsum("nhd,chd->hnc", q[a:a + n].double(), kk) * d ** -0.5
+        s = s.masked_fill(~(torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]), float("-inf"))
+        ref = torch.einsum("hnc,chd->nhd", s.softmax(-1), vv)
+        assert (out[a:a + n].double() - ref).abs().max() < 1e-5, (a, n, c, fresh)
+    with pytest.raises(IndexError, match="out of bounds"):                 # a bad page id raises, reads nothing
+        bad = bt.clone()
+        bad[1, 0] = P
+        k.paged_prefill(q, out, kf, vf, kc, vc, bad, torch.tensor(rows, dtype=torch.int64), d ** -0.5)

@@ -1,10 +1,13 @@
-"""CPU paged attention: decode reads K/V pages in place (compiled kernel), prefill as torch.
+"""CPU paged attention: compiled kernels for decode (pages read in place) and prefill (every chunk, one call).
 
 Decode attention is memory-bound. The torch backend gathers each decode row's pages into
 a fresh tensor and runs SDPA over it (write + read + read of the KV bytes); the kernel in
 csrc/paged_decode.cpp walks the block table and reads each page once, as the paged
 kernels of vLLM, FlashAttention and ATB do on their devices. Same contract, same plan,
 same results (checked against dense attention in tests/test_attention.py).
+
+Prefill (csrc/paged_prefill.cpp) runs every chunk of a step in one call, from the plan's
+entries (NativePrefill below): ~1.7x torch's per-sequence SDPA at prefill-heavy sizes.
 
 It reads float32 and bfloat16 pages (bf16 widened as loaded: half the bytes of a decode
 step's KV traffic). It falls back to the torch path, per step, where the kernel does not
@@ -35,6 +38,45 @@ class NativeDecode:
     lens: torch.Tensor       # [Bd] int32: context length (tokens to attend over)
 
 
+@dataclass
+class NativePrefill:
+    """The plan's prefill entries as the compiled prefill kernel takes them: one call a layer.
+
+    Built from plan.prefill (the PrefillSeq entries the packing probe checks), so the kernel
+    runs what the plan says: each entry's span and context, its own page list (row k of
+    `tables` for chunk k), and its mask as a diagonal offset. An entry the kernel cannot
+    express (a mask that is not a shifted causal one) stays in `rest`, for SDPA."""
+    chunks: torch.Tensor     # [C, 6] int64: start, n, context, tables row, fresh 0/1, mask offset
+    tables: torch.Tensor     # [C, W] int32: the pages each paged chunk reads (its entry's list)
+    rest: list               # PrefillSeq entries SDPA runs
+
+
+def native_prefill_plan(seqs: list) -> NativePrefill | None:
+    rows, tables, rest = [], [], []
+    for s in seqs:
+        n, c = s.end - s.start, s.context
+        off = 0
+        if s.pages is not None and s.mask is not None:
+            m = s.mask.to("cpu").bool()
+            off = int(m[0].sum()) - (c - n + 1)
+            want = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None] + off
+            if m.shape != want.shape or off <= -c or not torch.equal(m, want):
+                rest.append(s)
+                continue
+        if s.pages is None and c != n:          # no pages to read the context from: SDPA does what it does
+            rest.append(s)
+            continue
+        rows.append([s.start, n, c, len(rows), int(s.pages is None), off])
+        tables.append(None if s.pages is None else s.pages.to("cpu", torch.int32))
+    if not rows:
+        return None
+    table = torch.zeros(len(rows), max([1] + [len(t) for t in tables if t is not None]), dtype=torch.int32)
+    for k, t in enumerate(tables):
+        if t is not None:
+            table[k, : len(t)] = t
+    return NativePrefill(torch.tensor(rows, dtype=torch.int64), table, rest)
+
+
 class CpuPagedAttention(TorchPagedAttention):
     name = "cpu"
 
@@ -48,6 +90,26 @@ class CpuPagedAttention(TorchPagedAttention):
         return (self.kernel is not None and batch.block_tables.device.type == "cpu" and self.page_reader is None
                 and q_dtype in (torch.float32, torch.bfloat16) and cache is not None
                 and cache.dtype in NATIVE_CACHE_DTYPES and kv_scale.page_scale(cache) is None)
+
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32, cache: torch.Tensor | None = None):
+        plan = super().plan(batch, q_dtype, cache)
+        if (plan.prefill and q_dtype == torch.float32 and self._native_ok(batch, q_dtype, cache)
+                and batch.page_size % 16 == 0 and hasattr(self.kernel, "paged_prefill")):
+            plan.native_prefill = native_prefill_plan(plan.prefill)
+        return plan
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch, plan=None) -> torch.Tensor:
+        plan = self._plan_of(batch, q.dtype, k_cache, plan)
+        native = plan.native_prefill
+        if native is None:
+            return super().forward(q, k, v, k_cache, v_cache, batch, plan)
+        out = torch.empty_like(q)
+        self.decode(q, k_cache, v_cache, plan.decode, out)
+        if k.stride(0) != v.stride(0) or k.stride(1) != k.shape[2]:   # unfused RoPE: k in a tensor of its own
+            k, v = k.contiguous(), v.contiguous()
+        self.kernel.paged_prefill(q, out, k, v, k_cache, v_cache, native.tables, native.chunks, self.scale)
+        self.prefill(q, k, v, k_cache, v_cache, native.rest, out)
+        return out
 
     def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:
         if len(rows_all) == 0 or not self._native_ok(batch, q_dtype, cache):

@@ -17,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = [SOURCE, SOURCE.with_name("paged_prefill.cpp")]     # one module; the bindings are in SOURCE
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -39,18 +40,19 @@ def kernel():
         if os.environ.get("PAGEDKV_ATTENTION", "auto") == "torch":
             mod, why = None, "PAGEDKV_ATTENTION=torch"
         else:
-            mod, why = compile_extension("pagedkv_paged_decode", SOURCE, "compiled CPU decode attention")
+            mod, why = compile_extension("pagedkv_paged_decode", SOURCES, "compiled CPU attention")
         _state["module"], _state["why"] = mod, why
         return mod
 
 
-def compile_extension(name: str, source: Path, what: str):
+def compile_extension(name: str, sources, what: str):
     """(module, None) once built and loaded from build_dir(), or (None, why) with a warning."""
     try:
         from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
         # 512-bit vectors: g++ prefers 256 on these cores, and the loops below are bound by
         # loads and FMAs, not by the clock drop that preference guards against.
-        return load(name=name, sources=[str(source)],
+        sources = [sources] if isinstance(sources, (str, Path)) else sources
+        return load(name=name, sources=[str(x) for x in sources],
                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False), None
     except Exception as e:               # no compiler, no headers, ...: keep the torch path

@@ -46,6 +46,7 @@ class AttentionPlan:
     prefill: list[PrefillSeq]
     pages_read: int              # pages the kernel reads per layer (for bandwidth accounting)
     scale_write: object = None   # fp16_scaled: the scaled write's page indices (kv_scale.WritePlan)
+    native_prefill: object = None  # cpu backend: the prefill entries its compiled kernel runs (NativePrefill)
 
 
 class TorchPagedAttention(AttentionBackend):

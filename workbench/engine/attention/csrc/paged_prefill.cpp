@@ -1,0 +1,316 @@
+// Prefill attention on the CPU for every prefill chunk of a step in one call (flash-attention
+// style: key blocks of 16, an online softmax, nothing of size n x context materialised).
+//
+// torch's per-sequence SDPA calls cost one OpenMP fork each and split 9 heads over 2 cores
+// unevenly; at ~290-token chunks they ran at ~55 GFLOP/s here. This kernel shares out
+// (chunk, KV head, block of 16 query positions) items longest first over the cores.
+//
+// Keys and values of a chunk come from one of two places, as in the torch path it replaces:
+// - a chunk that is its sequence's whole context reads the fresh k / v rows of this step
+//   (float32, rows `fresh_stride` apart in the packed q|k|v buffer);
+// - a chunk after a prefix hit or an earlier chunk reads its whole context from the pages
+//   through the block table (float32 or bfloat16 pages, widened as loaded).
+// Query position i of a chunk of n over context c sits at c - n + i: causal, bottom-right.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../../csrc/avx512_math.h"
+
+namespace {
+
+constexpr int64_t KB = 16;   // keys per block (one zmm of scores)
+constexpr int64_t QB = 16;   // query positions per item
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+struct Chunk {
+  int64_t start, n, context, bt_row;
+  bool fresh;
+  int64_t offset;   // the plan's mask: position p sees keys t <= p + offset (0: causal)
+};
+
+struct Shape {
+  int64_t hq, hkv, g, d, ps, page_stride, tok_stride, width, qs0, qs1, os0, os1, fresh_stride;
+  float scale;
+};
+
+#if defined(__AVX512F__)
+// Scores with the rows in the lanes: st[t][gi] = sum_x k_t[x] qt[x][16 gi : 16 gi + 16] for NG
+// groups of 16 rows, 4 tokens at a time: the tokens share each qt load, the groups each k_t[x]
+// broadcast (4 NG accumulators, NG + 4 loads per 4 NG FMAs).
+template <typename T, int NG>
+inline void qk_rows(const float* qt, int64_t rpad, const T* kp, int64_t kstride, int64_t kn, int64_t d,
+                    __m512 (*st)[3]) {
+  int64_t t = 0;
+  for (; t + 4 <= kn; t += 4) {
+    __m512 a[4][NG];
+    for (int u = 0; u < 4; ++u)
+      for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_setzero_ps();
+    const T* k0 = kp + t * kstride;
+    for (int64_t x = 0; x < d; ++x) {
+      __m512 qv[NG];
+      for (int gi = 0; gi < NG; ++gi) qv[gi] = _mm512_loadu_ps(qt + x * rpad + 16 * gi);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 kb = _mm512_set1_ps(widen(k0[u * kstride + x]));
+        for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_fmadd_ps(kb, qv[gi], a[u][gi]);
+      }
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int gi = 0; gi < NG; ++gi) st[t + u][gi] = a[u][gi];
+  }
+  for (; t < kn; ++t) {
+    __m512 a[NG];
+    for (int gi = 0; gi < NG; ++gi) a[gi] = _mm512_setzero_ps();
+    const T* kt = kp + t * kstride;
+    for (int64_t x = 0; x < d; ++x) {
+      const __m512 kb = _mm512_set1_ps(widen(kt[x]));
+      for (int gi = 0; gi < NG; ++gi) a[gi] = _mm512_fmadd_ps(kb, _mm512_loadu_ps(qt + x * rpad + 16 * gi), a[gi]);
+    }
+    for (int gi = 0; gi < NG; ++gi) st[t][gi] = a[gi];
+  }
+}
+
+template <typename T>
+inline void qk_groups(int ng, const float* qt, int64_t rpad, const T* kp, int64_t kstride, int64_t kn, int64_t d,
+                      __m512 (*st)[3]) {
+  if (ng == 3) qk_rows<T, 3>(qt, rpad, kp, kstride, kn, d, st);
+  else if (ng == 2) qk_rows<T, 2>(qt, rpad, kp, kstride, kn, d, st);
+  else qk_rows<T, 1>(qt, rpad, kp, kstride, kn, d, st);
+}
+
+// o[r] = o[r] * corr[r] + sum_t p[t][r] v_t for RT rows, the accumulators in registers; d = 16 DV.
+template <typename T, int DV, int RT>
+inline void pv_tile(float* o, int64_t d, const float* corr, const float* p, int64_t rpad, int64_t rows, const T* vp,
+                    int64_t vstride, int64_t kn) {
+  __m512 acc[RT][DV];
+  for (int r = 0; r < RT; ++r) {
+    const __m512 cr = _mm512_set1_ps(r < rows ? corr[r] : 0.f);
+    for (int x = 0; x < DV; ++x)
+      acc[r][x] = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(o + r * d + 16 * x), cr) : _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < kn; ++t) {
+    __m512 vv[DV];
+    for (int x = 0; x < DV; ++x) vv[x] = pagedkv::load16(vp + t * vstride + 16 * x);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 w = _mm512_set1_ps(p[t * rpad + r]);
+      for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_fmadd_ps(w, vv[x], acc[r][x]);
+    }
+  }
+  for (int r = 0; r < RT && r < rows; ++r)
+    for (int x = 0; x < DV; ++x) _mm512_storeu_ps(o + r * d + 16 * x, acc[r][x]);
+}
+#endif
+
+// One item: positions [i0, i0 + qn) of a chunk, KV head h, its G query heads: R = qn x G rows
+// (row r = position r / G, head r % G). kblock(j) / vblock(j) give key block j's first row
+// and row stride (16 rows never cross a page).
+template <typename T, typename KF, typename VF>
+void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, float* out, const Shape& s,
+          KF kblock, VF vblock, float* scratch) {
+  const int64_t g = s.g, d = s.d, R = qn * g, rpad = (R + 15) / 16 * 16;
+  float* qt = scratch;                    // Q transposed and scaled, [d][rpad]
+  float* o = qt + d * rpad;               // accumulators [R][d]
+  float* m = o + rpad * d;                // running max [rpad]
+  float* l = m + rpad;                    // running sum [rpad]
+  float* corr = l + rpad;                 // this block's rescale of o [rpad]
+  float* p = corr + rpad;                 // this block's probabilities, [16][rpad]
+  std::fill(o, o + R * d, 0.f);
+  std::fill(m, m + rpad, -INFINITY);
+  std::fill(l, l + rpad, 0.f);
+  std::fill(qt, qt + d * rpad, 0.f);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qr = q + (c.start + i0 + r / g) * s.qs0 + (h * g + r % g) * s.qs1;
+    for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = qr[x] * s.scale;
+  }
+  const int64_t first_pos = c.context - c.n + i0;
+  const int64_t last_key = std::min(c.context - 1, first_pos + qn - 1 + c.offset);   // of any row
+  const int64_t blocks = last_key / KB + 1;
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t t0 = j * KB, kn = std::min<int64_t>(KB, last_key + 1 - t0);
+    auto [kp, kstride] = kblock(j);
+    auto [vp, vstride] = vblock(j);
+#if defined(__AVX512F__)
+    for (int64_t rg = 0; rg < rpad; rg += 48) {
+     const int ng = static_cast<int>(std::min<int64_t>(3, (rpad - rg) / 16));
+     __m512 sts[KB][3];
+     qk_groups<T>(ng, qt + rg, rpad, kp, kstride, kn, d, sts);
+     for (int gi = 0; gi < ng; ++gi) {
+      const int64_t r0 = rg + 16 * gi;
+      __m512 st[KB];
+      for (int64_t t = 0; t < kn; ++t) st[t] = sts[t][gi];
+      // Causal (and the plan's offset): row r sees keys t <= pos(r) + offset.
+      alignas(64) int32_t lim[16];
+      for (int i = 0; i < 16; ++i) lim[i] = static_cast<int32_t>(first_pos + (r0 + i) / g + c.offset - t0);
+      const __m512i vlim = _mm512_load_si512(lim);
+      __m512 bm = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < kn; ++t) {
+        const __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t)), vlim, _MM_CMPINT_LE);
+        st[t] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), st[t]);
+        bm = _mm512_max_ps(bm, st[t]);
+      }
+      const __m512 mo = _mm512_loadu_ps(m + r0);
+      const __m512 mn = _mm512_max_ps(mo, bm);
+      // rows that have seen no key yet keep m = -inf: exp(-inf - -inf) must not be NaN
+      const __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 safe = _mm512_mask_blend_ps(live, _mm512_setzero_ps(), mn);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < kn; ++t) {
+        const __m512 e = _mm512_maskz_mov_ps(live, pagedkv::exp512(_mm512_sub_ps(st[t], safe)));
+        const __m512 e0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(st[t], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                               e, _mm512_setzero_ps());
+        _mm512_storeu_ps(p + t * rpad + r0, e0);
+        sum = _mm512_add_ps(sum, e0);
+      }
+      const __m512 cr = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f),
+                                             pagedkv::exp512(_mm512_sub_ps(mo, safe)));   // exp(-inf) ~ 0
+      _mm512_storeu_ps(corr + r0, cr);
+      _mm512_storeu_ps(l + r0, _mm512_fmadd_ps(_mm512_loadu_ps(l + r0), cr, sum));
+      _mm512_storeu_ps(m + r0, mn);
+     }
+    }
+    if (d == 64) {
+      for (int64_t r0 = 0; r0 < R; r0 += 6) pv_tile<T, 4, 6>(o + r0 * d, d, corr + r0, p + r0, rpad, R - r0, vp, vstride, kn);
+      continue;
+    }
+    if (d == 128) {
+      for (int64_t r0 = 0; r0 < R; r0 += 3) pv_tile<T, 8, 3>(o + r0 * d, d, corr + r0, p + r0, rpad, R - r0, vp, vstride, kn);
+      continue;
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t x = 0; x < d; ++x) o[r * d + x] *= corr[r];
+#else
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t lim = first_pos + r / g + c.offset - t0;
+      float sc[KB];
+      float bm = -INFINITY;
+      for (int64_t t = 0; t < kn; ++t) {
+        float a = 0.f;
+        for (int64_t x = 0; x < d; ++x) a += widen(kp[t * kstride + x]) * qt[x * rpad + r];
+        sc[t] = t <= lim ? a : -INFINITY;
+        bm = std::max(bm, sc[t]);
+      }
+      const float mn = std::max(m[r], bm);
+      float sum = 0.f;
+      for (int64_t t = 0; t < kn; ++t) sum += (p[t * rpad + r] = sc[t] == -INFINITY ? 0.f : std::exp(sc[t] - mn));
+      corr[r] = mn == -INFINITY ? 1.f : std::exp(m[r] - mn);
+      l[r] = l[r] * corr[r] + sum;
+      m[r] = mn;
+      for (int64_t x = 0; x < d; ++x) o[r * d + x] *= corr[r];
+    }
+#endif
+    for (int64_t t = 0; t < kn; ++t)      // the generic P.V (other head sizes, no AVX-512)
+      for (int64_t r = 0; r < R; ++r) {
+        const float w = p[t * rpad + r];
+        for (int64_t x = 0; x < d; ++x) o[r * d + x] += w * widen(vp[t * vstride + x]);
+      }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = out + (c.start + i0 + r / g) * s.os0 + (h * g + r % g) * s.os1;
+    const float inv = 1.f / l[r];
+    for (int64_t x = 0; x < d; ++x) dst[x] = o[r * d + x] * inv;
+  }
+}
+
+template <typename T>
+void run(const std::vector<Chunk>& chunks, const float* q, float* out, const float* fk, const float* fv, const T* kc,
+         const T* vc, const int32_t* bt, const Shape& s) {
+  // Items: (chunk, KV head, 16 positions), the costliest (most keys) first, one at a time.
+  struct Work { int64_t chunk, i0, h, keys; };
+  std::vector<Work> work;
+  for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci)
+    for (int64_t i0 = 0; i0 < chunks[ci].n; i0 += QB)
+      for (int64_t h = 0; h < s.hkv; ++h)
+        work.push_back({ci, i0, h, chunks[ci].context - chunks[ci].n + std::min(chunks[ci].n, i0 + QB)});
+  std::sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
+  const int64_t items = static_cast<int64_t>(work.size());
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  const int64_t R = QB * s.g;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t rpad = (R + 15) / 16 * 16;
+    std::vector<float> scratch(s.d * rpad + rpad * s.d + 4 * rpad + KB * rpad + 64);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t wi = 0; wi < items; ++wi) {
+      const Work& w = work[wi];
+      const Chunk& c = chunks[w.chunk];
+      const int64_t qn = std::min(QB, c.n - w.i0), hoff = w.h * s.d;
+      if (c.fresh) {   // keys t are rows start + t of this step's k / v
+        auto kb = [&](int64_t j) { return std::make_pair(fk + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
+        auto vb = [&](int64_t j) { return std::make_pair(fv + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
+        item<float>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+      } else {         // keys t are in page t / ps of the chunk's block-table row
+        const int32_t* row = bt + c.bt_row * s.width;
+        auto at = [&](const T* base, int64_t j) {
+          const int64_t t = j * KB;
+          return std::make_pair(base + static_cast<int64_t>(row[t / s.ps]) * s.page_stride + (t % s.ps) * s.tok_stride + hoff,
+                                s.tok_stride);
+        };
+        auto kb = [&](int64_t j) { return at(kc, j); };
+        auto vb = [&](int64_t j) { return at(vc, j); };
+        item<T>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// chunks [C, 6] int64: (first packed row, query count n, context c, block-table row, fresh 0/1,
+// mask offset: position p sees keys t <= p + offset, 0 for the causal mask).
+// q, out [T, Hq, D] float32; k, v [T, Hkv, D] float32 (this step's rows, any row stride);
+// caches [P, ps, Hkv, D] float32 or bf16, ps a multiple of 16; block_tables [R, W] int32.
+void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tensor& k, const torch::Tensor& v,
+                   const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& chunks, double scale) {
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+                  v.scalar_type() == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16) &&
+                  v_cache.scalar_type() == ct,
+              "paged_prefill: float32 q / k / v / out and a float32 or bfloat16 cache only");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
+                  out.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2) && k.stride(0) == v.stride(0),
+              "paged_prefill: q, out [T, Hq, D], k, v [T, Hkv, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  block_tables.scalar_type() == torch::kInt && chunks.scalar_type() == torch::kLong &&
+                  chunks.dim() == 2 && chunks.size(1) == 6 && chunks.is_contiguous(),
+              "paged_prefill: contiguous caches, int32 block tables, int64 chunks [C, 6]");
+  const int64_t ps = k_cache.size(1), hkv = k_cache.size(2), d = k_cache.size(3), hq = q.size(1);
+  TORCH_CHECK(ps % KB == 0, "paged_prefill: page size ", ps, " is not a multiple of ", KB);
+  TORCH_CHECK(hq % hkv == 0 && k.size(1) == hkv && k.size(2) == d && q.size(2) == d, "paged_prefill: head shapes");
+  const int64_t rows = q.size(0), width = block_tables.size(1), pages = k_cache.size(0);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  std::vector<Chunk> cs;
+  const int64_t* cp = chunks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < chunks.size(0); ++i) {
+    Chunk c{cp[6 * i], cp[6 * i + 1], cp[6 * i + 2], cp[6 * i + 3], cp[6 * i + 4] != 0, cp[6 * i + 5]};
+    TORCH_CHECK(c.n >= 1 && c.start >= 0 && c.start + c.n <= rows && c.context >= c.n,
+                "paged_prefill: chunk ", i, " (rows ", c.start, "+", c.n, ", context ", c.context, ") does not fit");
+    TORCH_CHECK(!c.fresh || (c.context == c.n && c.offset == 0), "paged_prefill: a fresh chunk is its whole context");
+    TORCH_CHECK(c.offset > -c.context, "paged_prefill: chunk ", i, " mask offset ", c.offset, " hides every key");
+    if (!c.fresh) {   // validate before reading: a bad id raises, never reads past the pool
+      TORCH_CHECK(c.bt_row >= 0 && c.bt_row < block_tables.size(0) && (c.context + ps - 1) / ps <= width,
+                  "paged_prefill: chunk ", i, " context ", c.context, " does not fit the block table");
+      for (int64_t j = 0, w = (c.context + ps - 1) / ps; j < w; ++j) {
+        const int32_t id = bt[c.bt_row * width + j];
+        TORCH_CHECK_INDEX(id >= 0 && id < pages, "index ", id, " is out of bounds for dimension 0 with size ", pages,
+                          " (paged_prefill: page id in block table row ", c.bt_row, ")");
+      }
+    }
+    cs.push_back(c);
+  }
+  const Shape s{hq, hkv, hq / hkv, d, ps, ps * hkv * d, hkv * d, width, q.stride(0), q.stride(1), out.stride(0),
+                out.stride(1), k.stride(0), static_cast<float>(scale)};
+  if (ct == torch::kFloat)
+    run<float>(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+               k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, s);
+  else
+    run<c10::BFloat16>(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                       k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), bt, s);
+}
