@@ -56,6 +56,9 @@ def native_prefill_plan(seqs: list) -> NativePrefill | None:
     for s in seqs:
         n, c = s.end - s.start, s.context
         off = 0
+        if n < 1 or c < n:                       # a malformed entry (a corrupted plan): SDPA does what it does
+            rest.append(s)
+            continue
         if s.pages is not None and s.mask is not None:
             m = s.mask.to("cpu").bool()
             off = int(m[0].sum()) - (c - n + 1)
