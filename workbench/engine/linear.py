@@ -25,6 +25,7 @@ _PACK_HINT = 16          # batch-size hint for the weight layout; measured insen
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
 # fp32 weights stream 4 bytes a weight (oneDNN is level at 64 rows), bf16 ones 2.
 SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
+_ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
 def _onednn_usable(w: torch.Tensor) -> bool:
@@ -77,6 +78,8 @@ class Linear:
                 pass
         if self.packed is not None or (widened and self.skinny is not None):
             self.weight = None                                 # the other layouts hold it
+        # A plain (unpacked, compute-dtype) weight for oneDNN: decided once, not per call.
+        self._onednn_plain = _onednn_usable(torch.empty(0, dtype=self.compute_dtype, device=self.device))
 
     @property
     def numel(self) -> int:
@@ -113,47 +116,36 @@ class Linear:
         return skinny_gemm.kernel().gemm(x, self.skinny, self.out_features, self.bias, act, other, op)
 
     def _dense(self) -> tuple[torch.Tensor, bool]:
-        """(a weight oneDNN / F.linear take, whether it is oneDNN-packed)."""
+        """(a weight oneDNN / F.linear take, whether oneDNN takes it)."""
         if self.packed is not None:
             return self.packed, True
         if self.weight is not None:
-            return self.weight.to(self.compute_dtype), False
-        return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features), False   # bf16 widened
+            return self.weight.to(self.compute_dtype), self._onednn_plain
+        return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features), self._onednn_plain  # bf16 widened
 
-    def _small(self, x: torch.Tensor) -> bool:
-        return self.skinny is not None and x.shape[0] <= self.skinny_rows
+    def _run(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b, then the epilogue ("none", "silu", "mul" or "add" other), by the fastest path."""
+        if self.skinny is not None and x.shape[0] <= self.skinny_rows:
+            return self._skinny(x, skinny_gemm.ACT.get(epilogue, 0), other, skinny_gemm.BIN.get(epilogue, 0))
+        w, onednn = self._dense()
+        if onednn:
+            if other is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, self.bias, epilogue)
+            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, _ONEDNN_ACT[epilogue], [], "")
+        y = F.linear(x, w, self.bias)
+        return {"none": y, "silu": F.silu(y)}[epilogue] if other is None else getattr(y, epilogue + "_")(other)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small(x):
-            return self._skinny(x, 0, None, 0)
-        w, packed = self._dense()
-        if packed or _onednn_usable(w):
-            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
-        return F.linear(x, w, self.bias)
+        return self._run(x, "none")
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ W.T + b), the activation fused into the GEMM's epilogue."""
-        if self._small(x):
-            return self._skinny(x, skinny_gemm.ACT["silu"], None, 0)
-        w, packed = self._dense()
-        if packed or _onednn_usable(w):
-            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, w, self.bias))
+        return self._run(x, "silu")
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) * other, fused (SwiGLU's up projection times silu(gate))."""
-        if self._small(x):
-            return self._skinny(x, 0, other, skinny_gemm.BIN["mul"])
-        w, packed = self._dense()
-        if packed or _onednn_usable(w):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, self.bias, "mul")
-        return F.linear(x, w, self.bias).mul_(other)
+        return self._run(x, "mul", other)
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) + other, fused (a residual connection)."""
-        if self._small(x):
-            return self._skinny(x, 0, other, skinny_gemm.BIN["add"])
-        w, packed = self._dense()
-        if packed or _onednn_usable(w):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, self.bias, "add")
-        return F.linear(x, w, self.bias).add_(other)
+        return self._run(x, "add", other)

@@ -28,7 +28,7 @@ def kernel():
             if os.environ.get("PAGEDKV_LINEAR", "auto") == "torch":
                 _state["module"], _state["why"] = None, "PAGEDKV_LINEAR=torch"
             else:
-                _state["module"], _state["why"] = compile_extension("pagedkv_skinny_gemm", SOURCE,
+                _state["module"], _state["why"] = compile_extension("pagedkv_skinny_gemm", [SOURCE],
                                                                     "compiled skinny GEMM")
         return _state["module"]
 

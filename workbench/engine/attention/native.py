@@ -45,13 +45,12 @@ def kernel():
         return mod
 
 
-def compile_extension(name: str, sources, what: str):
+def compile_extension(name: str, sources: list[Path], what: str):
     """(module, None) once built and loaded from build_dir(), or (None, why) with a warning."""
     try:
         from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
         # 512-bit vectors: g++ prefers 256 on these cores, and the loops below are bound by
         # loads and FMAs, not by the clock drop that preference guards against.
-        sources = [sources] if isinstance(sources, (str, Path)) else sources
         return load(name=name, sources=[str(x) for x in sources],
                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False), None
