@@ -56,3 +56,16 @@ def smollm2_hf(smollm2_path):
 def smollm2_engine(smollm2_path):
     from workbench import Engine, EngineConfig
     return Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=512))
+
+
+@pytest.fixture(scope="module")
+def skinny_kernel():
+    """The compiled skinny GEMM; skipped without a compiler, a failure if it should have built."""
+    from workbench.engine import skinny_gemm
+    k = skinny_gemm.kernel()
+    if k is None:
+        import shutil
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip(f"no C++ compiler ({skinny_gemm.unavailable_reason()})")
+        pytest.fail(f"the skinny GEMM did not build: {skinny_gemm.unavailable_reason()}")
+    return k

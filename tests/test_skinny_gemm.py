@@ -8,20 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.engine import skinny_gemm
 from workbench.engine.attention import native
 from workbench.engine.linear import SKINNY_MAX_ROWS, Linear
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    k = skinny_gemm.kernel()
-    if k is None:
-        import shutil
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip(f"no C++ compiler ({skinny_gemm.unavailable_reason()})")
-        pytest.fail(f"the skinny GEMM did not build: {skinny_gemm.unavailable_reason()}")
-    return k
+def kernel(skinny_kernel):
+    return skinny_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -106,6 +106,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     from workbench.engine import cpu_bf16, skinny_gemm
     report["skinny_gemm"] = ("built" if skinny_gemm.kernel() is not None
                              else f"unavailable: {skinny_gemm.unavailable_reason()}")
+    from workbench.engine import quant_layout
+    report["quant_layout"] = quant_layout.describe(skinny_gemm.kernel() is not None)
     # bf16 separately: on a CPU without avx512_bf16 / AMX it is emulated, and the rate says so.
     report["matmul_gflops_bf16"] = (dev_mod.measure_matmul_gflops(dev, dtype=torch.bfloat16, repeats=2)
                                     if "bfloat16" in report["dtypes"] else None)
@@ -231,7 +233,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("default model", model_line),
         ("attention", f"{report['attention_backend']} backend; compiled CPU decode kernel "
                       f"{report['cpu_decode_kernel']}"),
-        ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; oneDNN above"),
+        ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; oneDNN above; "
+                    f"{report['quant_layout']}"),
     ]
     width = max(len(k) for k, _ in rows) + 1
     print("kvwb doctor")

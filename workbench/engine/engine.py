@@ -68,7 +68,8 @@ class Engine:
             # torch_npu's ops take the query in the cache's dtype: no fp32 compute over bf16 storage there.
             npu = resolve_choice(self.device.type, config.attention_backend) == "npu"
             self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
-                                    max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None)
+                                    max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None,
+                                    quantized=loaded.quantized)
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
         self._install(build_stack(config, pool_pages(config, mc), stack_mc, self.device, self.max_model_len))
         if self.parallel is not None:

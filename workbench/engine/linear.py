@@ -10,6 +10,9 @@ In float32 both layouts are kept (2x the weights' memory: the speed is the point
 bfloat16 weights on a CPU without native bf16 GEMMs (engine/cpu_bf16.py, "storage") are
 kept once, in the skinny layout: decode sizes read them as bf16, larger inputs widen them
 to float32 for oneDNN once per call (~1% of that GEMM's time).
+A GGUF's own Q4_1 / Q8_0 blocks (engine/quant_layout.py) replace the float32 skinny layout
+when they widen to the float32 weight bit for bit (checked at load): decode sizes then stream
+~6x fewer bytes for the same float32 products.
 Each layout is checked against F.linear once at load and dropped if it disagrees.
 """
 from __future__ import annotations
@@ -19,12 +22,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import skinny_gemm
+from . import quant_layout, skinny_gemm
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
 # fp32 weights stream 4 bytes a weight (oneDNN is level at 64 rows), bf16 ones 2.
 SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
+# The file's quantized blocks stream ~3.5x fewer bytes than float32: measured level with
+# oneDNN at ~100 rows (1.3x at 48, 1.05x at 96, 0.96x at 128).
+QUANT_MAX_ROWS = 96
 _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
@@ -45,7 +51,7 @@ class Linear:
     """y = x @ W.T + b, with W [out, in]; computed in `compute_dtype` (default W's dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, quant: quant_layout.QuantBlocks | None = None):
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         self.compute_dtype = compute_dtype or weight.dtype
@@ -55,13 +61,22 @@ class Linear:
         self.bias = None if bias is None else bias.to(self.compute_dtype)
         self.packed = None       # oneDNN's prepacked layout (weights in the compute dtype)
         self.skinny = None       # the skinny GEMM's layout [ceil(out/16), in, 16] (float32 compute)
+        self.quant = None        # or the file's blocks in it: (Wq uint8, format), quant_layout.py
         self.weight = weight
         self.skinny_rows = SKINNY_MAX_ROWS.get(self.dtype, 0)
         widened = self.compute_dtype != self.dtype           # bf16 storage, fp32 compute
         x = torch.randn(3, self.in_features, dtype=self.compute_dtype, device=self.device)
         ref = F.linear(x, weight.to(self.compute_dtype), self.bias)
         k = skinny_gemm.kernel() if self.device.type == "cpu" and self.compute_dtype == torch.float32 else None
-        if k is not None:
+        if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
+            self.quant = self._exact_quant(k, weight, quant)
+            if self.quant is not None and not _agrees(
+                    k.gemm_q(x, *self.quant[:1], self.out_features, self.quant[1], self.bias, 0, None, 0), ref,
+                    torch.float32):
+                self.quant = None
+            if self.quant is not None:
+                self.skinny_rows = QUANT_MAX_ROWS
+        if k is not None and self.quant is None:
             try:
                 packed = k.pack(weight.contiguous())
                 if _agrees(k.gemm(x, packed, self.out_features, self.bias, 0, None, 0), ref, torch.float32):
@@ -81,6 +96,20 @@ class Linear:
         # A plain (unpacked, compute-dtype) weight for oneDNN: decided once, not per call.
         self._onednn_plain = _onednn_usable(torch.empty(0, dtype=self.compute_dtype, device=self.device))
 
+    def _exact_quant(self, k, weight: torch.Tensor, quant: quant_layout.QuantBlocks):
+        """(Wq, format) when the blocks widen to `weight` bit for bit, else None (kept dense):
+        the check is against the loader's own float32 weights, so blocks from another file, a
+        patched weight or a packing bug cannot change what the model computes."""
+        if quant.shape != tuple(weight.shape):
+            return None
+        wq, fmt = quant_layout.pack(quant)
+        try:
+            widened = k.unpack_q(wq, self.in_features, self.out_features, fmt)
+        except RuntimeError:
+            return None
+        same = torch.equal(widened.view(torch.int32), weight.contiguous().view(torch.int32))
+        return (wq, fmt) if same else None
+
     @property
     def numel(self) -> int:
         return self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
@@ -92,6 +121,9 @@ class Linear:
 
     @property
     def backend(self) -> str:
+        if self.quant is not None:
+            fmt = {v: n for n, v in quant_layout.FORMATS.items()}[self.quant[1]]
+            return f"skinny[{fmt}]+" + ("onednn" if self.packed is not None else "torch")
         if self.skinny is not None:
             return "skinny+onednn" if self.packed is not None or self.weight is None else "skinny+torch"
         return "onednn" if self.packed is not None else "torch"
@@ -102,6 +134,8 @@ class Linear:
             return self.weight
         if self.skinny is not None:
             return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features).to(self.dtype)
+        if self.quant is not None:
+            return skinny_gemm.kernel().unpack_q(self.quant[0], self.in_features, self.out_features, self.quant[1])
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.device)
         return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").T.contiguous()
 
@@ -113,6 +147,9 @@ class Linear:
         if other is not None:
             other = other.float() if other.dtype != torch.float32 else other
             other = other if other.stride(-1) == 1 else other.contiguous()
+        if self.quant is not None:
+            return skinny_gemm.kernel().gemm_q(x, self.quant[0], self.out_features, self.quant[1], self.bias,
+                                               act, other, op)
         return skinny_gemm.kernel().gemm(x, self.skinny, self.out_features, self.bias, act, other, op)
 
     def _dense(self) -> tuple[torch.Tensor, bool]:
@@ -125,7 +162,7 @@ class Linear:
 
     def _run(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T + b, then the epilogue ("none", "silu", "mul" or "add" other), by the fastest path."""
-        if self.skinny is not None and x.shape[0] <= self.skinny_rows:
+        if (self.skinny is not None or self.quant is not None) and x.shape[0] <= self.skinny_rows:
             return self._skinny(x, skinny_gemm.ACT.get(epilogue, 0), other, skinny_gemm.BIN.get(epilogue, 0))
         w, onednn = self._dense()
         if onednn:

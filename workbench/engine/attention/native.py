@@ -7,6 +7,7 @@ source changes; later processes only load it (`make` builds it during setup). Wh
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+HEADERS = Path(__file__).parents[1] / "csrc"     # the shared headers (avx512_math.h, quant_layout.h)
 SOURCES = [SOURCE, SOURCE.with_name("paged_prefill.cpp")]     # one module; the bindings are in SOURCE
 _lock = threading.Lock()
 _state: dict = {}
@@ -49,10 +51,14 @@ def compile_extension(name: str, sources: list[Path], what: str):
     """(module, None) once built and loaded from build_dir(), or (None, why) with a warning."""
     try:
         from torch.utils.cpp_extension import load   # torch (and its libgomp) already loaded
+        # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes
+        # into the flags, so an edited header cannot leave a stale build in the cache.
+        h = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(HEADERS.glob("*.h")))).hexdigest()[:16]
         # 512-bit vectors: g++ prefers 256 on these cores, and the loops below are bound by
         # loads and FMAs, not by the clock drop that preference guards against.
         return load(name=name, sources=[str(x) for x in sources],
-                    extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
+                                  f"-DPAGEDKV_HEADERS_{h}"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False), None
     except Exception as e:               # no compiler, no headers, ...: keep the torch path
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

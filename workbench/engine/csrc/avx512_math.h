@@ -1,12 +1,23 @@
-// Shared AVX-512 helpers of the compiled CPU kernels (skinny_gemm.cpp, attention's
-// paged_decode.cpp): bf16 widening and a vectorised exp. Header-only, inline.
+// Shared helpers of the compiled CPU kernels (skinny_gemm.cpp, attention's paged_decode.cpp
+// and paged_prefill.cpp): bf16 widening, a vectorised exp, and the widening of GGUF's
+// quantized blocks. Header-only, inline.
 #pragma once
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <c10/util/BFloat16.h>
+#endif
 
 namespace pagedkv {
 
+// Scalar widening (the portable paths and the tails).
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // bf16 is the top half of an fp32: widen and shift, exact.
 inline __m512 load16(const c10::BFloat16* p) {
@@ -32,6 +43,6 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, k);
 }
+#endif  // __AVX512F__
 
 }  // namespace pagedkv
-#endif

@@ -21,21 +21,18 @@
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * to_float(b[i]);
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * pagedkv::to_float(b[i]);
   return acc;
 }
 
 template <typename T>
 inline void axpy(float* y, float a, const T* x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * pagedkv::to_float(x[i]);
 }
 
 // In-place softmax of x[0:n]. exp is evaluated as 2^k * p(r) (r in [-ln2/2, ln2/2], a

@@ -26,9 +26,6 @@ namespace {
 constexpr int64_t KB = 16;   // keys per block (one zmm of scores)
 constexpr int64_t QB = 16;   // query positions per item
 
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-
 struct Chunk {
   int64_t start, n, context, bt_row;
   bool fresh;
@@ -57,7 +54,7 @@ inline void qk_rows(const float* qt, int64_t rpad, const T* kp, int64_t kstride,
       __m512 qv[NG];
       for (int gi = 0; gi < NG; ++gi) qv[gi] = _mm512_loadu_ps(qt + x * rpad + 16 * gi);
       for (int u = 0; u < 4; ++u) {
-        const __m512 kb = _mm512_set1_ps(widen(k0[u * kstride + x]));
+        const __m512 kb = _mm512_set1_ps(pagedkv::to_float(k0[u * kstride + x]));
         for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_fmadd_ps(kb, qv[gi], a[u][gi]);
       }
     }
@@ -69,7 +66,7 @@ inline void qk_rows(const float* qt, int64_t rpad, const T* kp, int64_t kstride,
     for (int gi = 0; gi < NG; ++gi) a[gi] = _mm512_setzero_ps();
     const T* kt = kp + t * kstride;
     for (int64_t x = 0; x < d; ++x) {
-      const __m512 kb = _mm512_set1_ps(widen(kt[x]));
+      const __m512 kb = _mm512_set1_ps(pagedkv::to_float(kt[x]));
       for (int gi = 0; gi < NG; ++gi) a[gi] = _mm512_fmadd_ps(kb, _mm512_loadu_ps(qt + x * rpad + 16 * gi), a[gi]);
     }
     for (int gi = 0; gi < NG; ++gi) st[t][gi] = a[gi];
@@ -191,7 +188,7 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
       float bm = -INFINITY;
       for (int64_t t = 0; t < kn; ++t) {
         float a = 0.f;
-        for (int64_t x = 0; x < d; ++x) a += widen(kp[t * kstride + x]) * qt[x * rpad + r];
+        for (int64_t x = 0; x < d; ++x) a += pagedkv::to_float(kp[t * kstride + x]) * qt[x * rpad + r];
         sc[t] = t <= lim ? a : -INFINITY;
         bm = std::max(bm, sc[t]);
       }
@@ -207,7 +204,7 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
     for (int64_t t = 0; t < kn; ++t)      // the generic P.V (other head sizes, no AVX-512)
       for (int64_t r = 0; r < R; ++r) {
         const float w = p[t * rpad + r];
-        for (int64_t x = 0; x < d; ++x) o[r * d + x] += w * widen(vp[t * vstride + x]);
+        for (int64_t x = 0; x < d; ++x) o[r * d + x] += w * pagedkv::to_float(vp[t * vstride + x]);
       }
   }
   for (int64_t r = 0; r < R; ++r) {
