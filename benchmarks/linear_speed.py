@@ -5,7 +5,10 @@ in a real step, not from cache), fp32 and bf16 weights; best of 5 passes. Prints
 over all layers, the weight-streaming rate and the ratio oneDNN / skinny: the rows where the
 ratio is above 1 are the ones engine/linear.py sends to the skinny GEMM (SKINNY_MAX_ROWS).
 With bf16 weights the peer is oneDNN's fp32 kernel over fp32 weights (what the engine would
-run without the bf16 path on a CPU without native bf16).
+run without the bf16 path on a CPU without native bf16). The last section runs the same
+weights as a GGUF file holds them (Q4_1, quantized by gguf-py) through the skinny GEMM's
+quantized path (engine/quant_layout.py, float32 products), against the float32 skinny GEMM
+and oneDNN: the rows where it wins are the ones engine/linear.py gives it (QUANT_MAX_ROWS).
 
     .venv/bin/python benchmarks/linear_speed.py [--rows 1,8,16,24,32,48,64,96]
 """
@@ -20,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.engine import skinny_gemm  # noqa: E402
+from workbench.engine import quant_layout, skinny_gemm  # noqa: E402
 
 SHAPES = [(832, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # qkv, o, gate, up, down
 LAYERS = 30
@@ -47,8 +50,9 @@ def main(argv=None):
     fp32 = [[torch.randn(o, i, generator=g) for o, i in SHAPES] for _ in range(LAYERS)]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws] for ws in fp32]
     print(f"{LAYERS} layers of {SHAPES}; ms per pass (weight GB/s)")
+    dense = {}
     for dtype in (torch.float32, torch.bfloat16):
-        skinny = [[k.pack(w.to(dtype)) for w in ws] for ws in fp32]
+        skinny = dense[dtype] = [[k.pack(w.to(dtype)) for w in ws] for ws in fp32]
         nbytes = sum(p.numel() * p.element_size() for ws in skinny for p in ws)
         print(f"== {str(dtype).removeprefix('torch.')} weights ({nbytes / 1e6:.0f} MB a pass)")
         for rows in map(int, a.rows.split(",")):
@@ -62,6 +66,31 @@ def main(argv=None):
             print(f"  {rows:4d} rows: skinny {t_sk * 1e3:7.2f} ms ({nbytes / t_sk / 1e9:5.1f})   "
                   f"oneDNN fp32 {t_dn * 1e3:7.2f} ms ({fp32_bytes / t_dn / 1e9:5.1f})   "
                   f"F.linear fp32 {t_fl * 1e3:7.2f} ms   oneDNN / skinny = {t_dn / t_sk:.2f}x")
+    quant_section(k, fp32, onednn, dense[torch.float32], a.rows, g)
+
+
+def quant_section(k, fp32, onednn, skinny, rows_arg, g):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    packs = []
+    for ws in fp32:
+        layer = []
+        for w in ws:
+            q = quant_layout.QuantBlocks.from_gguf("Q4_1", quantize(w.numpy(), GGMLQuantizationType.Q4_1), *w.shape)
+            layer.append(quant_layout.pack(q))
+        packs.append(layer)
+    nbytes = sum(p.numel() for ws in packs for p, _ in ws)
+    print(f"== GGUF Q4_1 blocks, float32 products ({nbytes / 1e6:.0f} MB a pass)")
+    for rows in map(int, rows_arg.split(",")):
+        xs = [torch.randn(rows, i, generator=g) for _, i in SHAPES]
+        t_q = best(lambda: [k.gemm_q(x, p, o, fmt, None, 0, None, 0) for ws in packs
+                            for x, (p, fmt), (o, _) in zip(xs, ws, SHAPES)])
+        t_sk = best(lambda: [k.gemm(x, p, o, None, 0, None, 0) for ws in skinny for x, p, (o, _) in zip(xs, ws, SHAPES)])
+        t_dn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for ws in onednn
+                             for x, p in zip(xs, ws)])
+        print(f"  {rows:4d} rows: Q4_1 {t_q * 1e3:7.2f} ms ({nbytes / t_q / 1e9:5.1f})   skinny fp32 {t_sk * 1e3:7.2f} ms"
+              f"   oneDNN fp32 {t_dn * 1e3:7.2f} ms   skinny fp32 / Q4_1 = {t_sk / t_q:.2f}x"
+              f"   oneDNN / Q4_1 = {t_dn / t_q:.2f}x")
 
 
 if __name__ == "__main__":

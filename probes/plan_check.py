@@ -6,8 +6,9 @@ A bug there — a decode row mapped to another row's table, a context length off
 a causal mask that lets a query see the next key — garbles every layer while the batch
 itself is right. These checks read the plan's tensors and compare them with the
 reference rebuilt from the sequences (invariants.PackingReference), by duck typing on
-the plan shapes of our backends (attention/torch_ref.py, cpu_paged.py); an unknown plan
-is skipped (the shadow probe still recomputes its numerics).
+the plan shapes of our backends (attention/torch_ref.py, cpu_paged.py, and the compiled
+prefill kernel's own chunk rows and tables, cpu_paged.NativePrefill); an unknown plan is
+skipped (the shadow probe still recomputes its numerics).
 """
 from __future__ import annotations
 
@@ -115,6 +116,45 @@ def _prefill(s, ref: PackingReference, out: list) -> int | None:
     return r
 
 
+def _native_prefill(npf, ref: PackingReference, out: list) -> set:
+    """The compiled prefill kernel's own inputs (cpu_paged.NativePrefill: the chunk rows and page
+    tables it walks, built from plan.prefill) against the reference: a bug in that translation
+    would garble prefill while plan.prefill itself is right. Returns the rows it covers."""
+    covered: set = set()
+    chunks = npf.chunks.detach().to("cpu").numpy().astype(np.int64).reshape(-1, 6)
+    tables = npf.tables.detach().to("cpu").numpy().astype(np.int64)
+    for k, (start, n, c, row, fresh, off) in enumerate(chunks.tolist()):
+        if not 0 <= start < max(ref.num_tokens, 1):
+            out.append(Mismatch("plan", "plan.native_prefill.start", -1, k, start, None))
+            continue
+        r = int(ref.seq_of_tok[start])
+        covered.add(r)
+        if start != ref.cu_q[r] or n != ref.q_lens[r]:
+            out.append(Mismatch("plan", "plan.native_prefill.span", r, start, n, int(ref.q_lens[r])))
+        elif c != ref.context_lens[r]:
+            out.append(Mismatch("plan", "plan.native_prefill.context", r, start, c, int(ref.context_lens[r])))
+        elif off != 0:                                   # the reference mask is plain causal
+            out.append(Mismatch("plan", "plan.native_prefill.mask", r, start, off, 0))
+        elif fresh:
+            if c != n:                                   # fresh k/v hold only this chunk's keys
+                out.append(Mismatch("plan", "plan.native_prefill.pages", r, start, None, int(ref.need[r])))
+        elif not 0 <= row < tables.shape[0]:
+            out.append(Mismatch("plan", "plan.native_prefill.tables", r, start, row, None))
+        else:
+            need = min(int(ref.need[r]), tables.shape[1])
+            bad = np.nonzero(tables[row, :need] != ref.table[r, :need])[0]
+            if need < int(ref.need[r]):
+                bad = np.append(bad, need)
+            if len(bad) and not ref.short[r]:
+                col = int(bad[0])
+                got = int(tables[row, col]) if col < tables.shape[1] else None
+                out.append(Mismatch("plan", "plan.native_prefill.tables", r, col, got, int(ref.table[r, col])))
+    for s in npf.rest:                                   # entries left to SDPA: checked as plan.prefill
+        if 0 <= int(s.start) < ref.num_tokens:
+            covered.add(int(ref.seq_of_tok[int(s.start)]))
+    return covered
+
+
 def plan_mismatches(plan, ref: PackingReference) -> list[Mismatch]:
     """The plan's decode and prefill entries against the reference (our backends' plan shapes)."""
     decode, prefill = getattr(plan, "decode", None), getattr(plan, "prefill", None)
@@ -129,10 +169,17 @@ def plan_mismatches(plan, ref: PackingReference) -> list[Mismatch]:
             covered |= _decode_group(g, ref, out)
         else:
             return out                    # a plan shape we do not know
+    prefill_rows = set()
     for s in prefill:
         r = _prefill(s, ref, out)
         if r is not None:
-            covered.add(r)
+            prefill_rows.add(r)
+    covered |= prefill_rows
+    npf = getattr(plan, "native_prefill", None)
+    if npf is not None:                  # the compiled kernel runs these, not plan.prefill itself
+        native_rows = _native_prefill(npf, ref, out)
+        for r in sorted(prefill_rows - native_rows)[:MAX_REPORTED]:
+            out.append(Mismatch("plan", "plan.native_prefill (no chunk)", r, int(ref.cu_q[r]), None, int(ref.q_lens[r])))
     missing = sorted(set(range(len(ref.q_lens))) - covered)
     for r in missing[:MAX_REPORTED]:
         out.append(Mismatch("plan", "plan (no entry)", r, int(ref.cu_q[r]), None, int(ref.q_lens[r])))

@@ -384,3 +384,39 @@ def test_decode_plan_reading_another_rows_table_is_caught(sharp_llama_dir, clean
     found = errors(wb, "packing-plan")
     assert found and found[0].request_id in ids
     assert found[0].evidence["copy"] in ("plan.decode.rows", "plan.decode.pages")
+
+
+def test_compiled_prefill_reading_another_chunks_pages_is_caught(sharp_llama_dir, clean, monkeypatch):
+    # The translation of plan.prefill into the compiled prefill kernel's inputs goes wrong: a
+    # chunk that continues after a prefix hit gets another chunk's table row. plan.prefill is
+    # still right, so only a check of what the kernel walks sees it.
+    from workbench.engine.attention.cpu_paged import CpuPagedAttention
+    if not isinstance(engine(sharp_llama_dir).attn, CpuPagedAttention):
+        pytest.skip("the compiled CPU attention is not built here")
+    real = CpuPagedAttention.plan
+    planted = []
+
+    def plan(self, batch, *a, **kw):
+        p = real(self, batch, *a, **kw)
+        npf = p.native_prefill
+        paged = [] if npf is None else [k for k, c in enumerate(npf.chunks.tolist()) if not c[4]]
+        if len(paged) >= 2:                                   # two chunks read pages: swap their rows
+            a0, b0 = paged[0], paged[1]
+            npf.chunks[a0, 3], npf.chunks[b0, 3] = int(npf.chunks[b0, 3]), int(npf.chunks[a0, 3])
+            starts = batch.cu_seqlens_q.tolist()
+            planted.append({batch.seqs[starts.index(int(npf.chunks[k, 0]))].request_id for k in (a0, b0)})
+        elif paged:                                           # one: its first page becomes the last one's
+            k = paged[0]
+            row = int(npf.chunks[k, 3])
+            n = int(npf.chunks[k, 2] + 15) // 16
+            if n > 1:
+                npf.tables[row, 0] = npf.tables[row, n - 1]
+                starts = batch.cu_seqlens_q.tolist()
+                planted.append({batch.seqs[starts.index(int(npf.chunks[k, 0]))].request_id})
+        return p
+    monkeypatch.setattr(CpuPagedAttention, "plan", plan)
+    toks, ids, wb, _ = run(sharp_llama_dir, prompts_with_shared_prefix())
+    assert planted, "no step had a compiled prefill chunk reading pages"
+    assert toks != clean[0]
+    found = [f for f in errors(wb, "packing-plan") if f.evidence["copy"] == "plan.native_prefill.tables"]
+    assert found and found[0].request_id in planted[0]

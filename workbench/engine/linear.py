@@ -28,9 +28,9 @@ _PACK_HINT = 16          # batch-size hint for the weight layout; measured insen
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
 # fp32 weights stream 4 bytes a weight (oneDNN is level at 64 rows), bf16 ones 2.
 SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
-# The file's quantized blocks stream ~3.5x fewer bytes than float32: measured level with
-# oneDNN at ~100 rows (1.3x at 48, 1.05x at 96, 0.96x at 128).
-QUANT_MAX_ROWS = 96
+# The file's quantized blocks stream ~3.5x fewer bytes than float32: ahead of oneDNN up to
+# ~64-96 rows by benchmarks/linear_speed.py (1.6x at 24, 1.2x at 64, 0.84-1.05x at 96).
+QUANT_MAX_ROWS = 64
 _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
