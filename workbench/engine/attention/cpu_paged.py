@@ -36,6 +36,14 @@ class NativeDecode:
     tok: torch.Tensor        # [Bd] int64: row of each decode query in the packed batch
     rows: torch.Tensor       # [Bd] int64: its row in the bound block table
     lens: torch.Tensor       # [Bd] int32: context length (tokens to attend over)
+    _local: torch.Tensor | None = None
+
+    @property
+    def local(self) -> torch.Tensor:
+        """0..Bd-1, the decode rows of a gathered query (bf16 compute): built once a step, not a layer."""
+        if self._local is None:
+            self._local = torch.arange(len(self.tok))
+        return self._local
 
 
 @dataclass
@@ -136,7 +144,7 @@ class CpuPagedAttention(TorchPagedAttention):
             # rows only, and round their outputs back.
             qd = q.index_select(0, p.tok).float()
             od = torch.empty_like(qd)
-            self.kernel.paged_decode(qd, od, k_cache, v_cache, p.tables, torch.arange(len(p.tok)), p.rows, p.lens,
+            self.kernel.paged_decode(qd, od, k_cache, v_cache, p.tables, p.local, p.rows, p.lens,
                                      self.scale)
             out.index_copy_(0, p.tok, od.to(out.dtype))
             return
