@@ -12,8 +12,11 @@ interleaved (vLLM, ours, HF, then again) --rounds times and the best round of ea
 the host's speed drifts, and interleaving gives every side the same drift. Printed per workload and dtype: output tok/s of each,
 our ratio to each, and the share of the machine's measured matmul rate each reaches
 (2 x parameters FLOPs per token, prompt and output; fp32 and bf16 rates measured here).
+In float32 our engine also runs with the GGUF block layout off (PAGEDKV_QUANT_LAYOUT=off:
+float32 weights streamed at decode, what vLLM streams), so the run shows what that layout,
+which computes the same float32 products, is worth.
 
-    .venv/bin/python benchmarks/engine_vs_vllm.py [--dtypes float32,bfloat16] [--rounds 3] [--no-hf]
+    .venv/bin/python benchmarks/engine_vs_vllm.py [--dtypes float32,bfloat16] [--rounds 3] [--no-hf] [--no-fp32-layout]
 """
 from __future__ import annotations
 
@@ -196,6 +199,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (the slowest side)")
+    ap.add_argument("--no-fp32-layout", action="store_true",
+                    help="in float32, skip our engine with the GGUF block layout off (float32 weights streamed)")
     a = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
@@ -208,9 +213,24 @@ def main(argv=None):
         theirs = VllmSide(workloads, decode["prompt"], dtype)
         try:
             eng = ours_engine(dtype)
+            # Ours once more with the float32 weight layout (PAGEDKV_QUANT_LAYOUT=off): what the GGUF
+            # block layout (engine/quant_layout.py, same products bit for bit) is worth, in the same run.
+            dense = None
+            if dtype == "float32" and not a.no_fp32_layout and "[" in eng.model.linear_backend:
+                before = os.environ.get("PAGEDKV_QUANT_LAYOUT")
+                os.environ["PAGEDKV_QUANT_LAYOUT"] = "off"
+                try:
+                    dense = ours_engine(dtype)
+                finally:
+                    if before is None:
+                        del os.environ["PAGEDKV_QUANT_LAYOUT"]
+                    else:
+                        os.environ["PAGEDKV_QUANT_LAYOUT"] = before
             hf = None if a.no_hf else hf_model(dtype)
             for w in workloads.values():                                   # warm-ups
-                eng.generate(w["prompts"][:4], SamplingParams(max_tokens=4, ignore_eos=True))
+                for e in (eng, dense):
+                    if e is not None:
+                        e.generate(w["prompts"][:4], SamplingParams(max_tokens=4, ignore_eos=True))
             if hf is not None:
                 run_hf(hf, workloads["A"]["prompts"][:2], 2, 1)
             best: dict = {}
@@ -222,6 +242,8 @@ def main(argv=None):
                     for n in (1, decode["new"]):
                         keep(("vllm", "decode", n), theirs.ask({"decode": n})["seconds"])
                         keep(("ours", "decode", n), ours_decode_seconds(eng, decode["prompt"], n))
+                        if dense is not None:
+                            keep(("dense", "decode", n), ours_decode_seconds(dense, decode["prompt"], n))
                         if hf is not None:
                             keep(("hf", "decode", n), hf_decode_seconds(hf, decode["prompt"], n))
                     continue
@@ -232,6 +254,10 @@ def main(argv=None):
                 s, toks = ours_run(eng, w["prompts"], w["new"])
                 keep(("ours", name), s)
                 tokens[("ours", name)] = toks
+                if dense is not None:
+                    s, toks = ours_run(dense, w["prompts"], w["new"])
+                    keep(("dense", name), s)
+                    tokens[("dense", name)] = toks
                 if hf is not None:
                     keep(("hf", name), hf_batch(hf, w["prompts"], w["new"]))
         finally:
@@ -252,17 +278,23 @@ def main(argv=None):
             print(f"    ours      {out_tok / o:8.1f} tok/s  ({share(o, ours_rate):.0%} {of})")
             print(f"    vLLM-CPU  {out_tok / v:8.1f} tok/s  ({share(v):.0%} of matmul)   ours / vLLM = {v / o:.2f}x   "
                   f"same greedy tokens: {agreement(tokens[('ours', name)], tokens[('vllm', name)]):.0%} of requests")
+            if dense is not None:
+                dn = best[("dense", name)]
+                print(f"    ours, float32 weight layout {out_tok / dn:6.1f} tok/s   / vLLM = {v / dn:.2f}x   "
+                      f"same greedy tokens as ours: {agreement(tokens[('ours', name)], tokens[('dense', name)]):.0%}")
             if hf is not None:
                 h = best[("hf", name)]
                 print(f"    HF        {out_tok / h:8.1f} tok/s  ({share(h):.0%} of matmul)   ours / HF = {h / o:.2f}x")
         rate_of = lambda side: (decode["new"] - 1) / (best[(side, "decode", decode["new"])] - best[(side, "decode", 1)])
         ours_d, v_d = rate_of("ours"), rate_of("vllm")
         line = f"  single-stream decode: ours {ours_d:.1f} tok/s, vLLM-CPU {v_d:.1f} (ours / vLLM = {ours_d / v_d:.2f}x)"
+        if dense is not None:
+            line += f", ours with the float32 weight layout {rate_of('dense'):.1f}"
         if hf is not None:
             hf_d = rate_of("hf")
             line += f", HF {hf_d:.1f} (ours / HF = {ours_d / hf_d:.2f}x)"
         print(line, flush=True)
-        del eng, hf
+        del eng, dense, hf
 
 
 if __name__ == "__main__":

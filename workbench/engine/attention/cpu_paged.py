@@ -109,18 +109,14 @@ class CpuPagedAttention(TorchPagedAttention):
             plan.native_prefill = native_prefill_plan(plan.prefill)
         return plan
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: PackedBatch, plan=None) -> torch.Tensor:
-        plan = self._plan_of(batch, q.dtype, k_cache, plan)
+    def prefill_plan(self, q, k, v, k_cache, v_cache, plan, out: torch.Tensor) -> None:
         native = plan.native_prefill
         if native is None:
-            return super().forward(q, k, v, k_cache, v_cache, batch, plan)
-        out = torch.empty_like(q)
-        self.decode(q, k_cache, v_cache, plan.decode, out)
+            return super().prefill_plan(q, k, v, k_cache, v_cache, plan, out)
         if k.stride(0) != v.stride(0) or k.stride(1) != k.shape[2]:   # unfused RoPE: k in a tensor of its own
             k, v = k.contiguous(), v.contiguous()
         self.kernel.paged_prefill(q, out, k, v, k_cache, v_cache, native.tables, native.chunks, self.scale)
         self.prefill(q, k, v, k_cache, v_cache, native.rest, out)
-        return out
 
     def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:
         if len(rows_all) == 0 or not self._native_ok(batch, q_dtype, cache):

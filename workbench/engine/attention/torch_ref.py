@@ -156,8 +156,12 @@ class TorchPagedAttention(AttentionBackend):
         plan = self._plan_of(batch, q.dtype, k_cache, plan)
         out = torch.empty_like(q)
         self.decode(q, k_cache, v_cache, plan.decode, out)
-        self.prefill(q, k, v, k_cache, v_cache, plan.prefill, out)
+        self.prefill_plan(q, k, v, k_cache, v_cache, plan, out)
         return out
+
+    def prefill_plan(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, out: torch.Tensor) -> None:
+        """The step's prefill entries (a backend with a prefill kernel of its own overrides this)."""
+        self.prefill(q, k, v, k_cache, v_cache, plan.prefill, out)
 
     def decode(self, q, k_cache, v_cache, groups: list, out: torch.Tensor) -> None:
         hkv, d, hq = self.num_kv_heads, self.head_dim, self.num_heads
