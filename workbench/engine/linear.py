@@ -6,13 +6,14 @@ Measured here (2 cores, 30 layers of SmolLM2's shapes, weights from DRAM):
   prepacked kernel takes 40 and MKL's sgemm (F.linear) 82; at 1 row 22 vs 26 ms;
 - prefill sizes (>= 64 rows): oneDNN's prepacked kernel (the op torch's inductor uses for
   CPU linears), ~300 GFLOP/s, with the epilogue (silu, * other, + residual) fused.
-In float32 both layouts are kept (2x the weights' memory: the speed is the point here).
+In float32 both layouts are kept (2x the weights' memory: the speed is the point here),
+except where a GGUF's blocks replace the skinny one (below).
 bfloat16 weights on a CPU without native bf16 GEMMs (engine/cpu_bf16.py, "storage") are
 kept once, in the skinny layout: decode sizes read them as bf16, larger inputs widen them
 to float32 for oneDNN once per call (~1% of that GEMM's time).
 A GGUF's own Q4_1 / Q8_0 blocks (engine/quant_layout.py) replace the float32 skinny layout
 when they widen to the float32 weight bit for bit (checked at load): decode sizes then stream
-~6x fewer bytes for the same float32 products.
+~3.6x fewer bytes for the same float32 products.
 Each layout is checked against F.linear once at load and dropped if it disagrees.
 """
 from __future__ import annotations
@@ -70,9 +71,7 @@ class Linear:
         k = skinny_gemm.kernel() if self.device.type == "cpu" and self.compute_dtype == torch.float32 else None
         if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
-            if self.quant is not None and not _agrees(
-                    k.gemm_q(x, *self.quant[:1], self.out_features, self.quant[1], self.bias, 0, None, 0), ref,
-                    torch.float32):
+            if self.quant is not None and not _agrees(self._skinny(x, 0, None, 0), ref, torch.float32):
                 self.quant = None
             if self.quant is not None:
                 self.skinny_rows = QUANT_MAX_ROWS

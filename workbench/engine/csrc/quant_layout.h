@@ -2,7 +2,7 @@
 //
 // Why: a GGUF model's float32 weights *are* these blocks (the loader dequantizes them as
 // d * q (+ m) in float32), so a decode-sized linear can stream the blocks instead of the
-// float32 copy, 4-6x fewer bytes, and compute on bit-identical float32 weights: with an
+// float32 copy, ~3.6x fewer bytes, and compute on bit-identical float32 weights: with an
 // fp16 scale d (11 significant bits) and q < 2^8, d * q is exact in float32, so
 // fma(d, q, m) rounds once, as numpy's (d * q) + m does.
 //

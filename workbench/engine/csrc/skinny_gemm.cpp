@@ -192,6 +192,8 @@ constexpr int64_t KC = 64;
 // A tile's partial product over one span of k: sums[R][2][16] += x[:, span] @ w[span] for the
 // two blocks w0, w1 (each [kc][16]). Storing and reloading a float32 is exact, so the sums
 // after the last span are the ones one pass over K gives.
+// (Not `tile` with a load/store option: g++ then kept the accumulators on the stack across
+// the k loop, which halved the speed.)
 template <int R>
 inline void tile_acc(const float* x, int64_t ldx, const float* w0, const float* w1, int64_t kc, float* sums) {
   __m512 a0[R], a1[R];
@@ -451,16 +453,26 @@ torch::Tensor gemm_q(const torch::Tensor& x, const torch::Tensor& wq, int64_t N,
   return y;
 }
 
-// Wq back to W [N, K] float32, by the kernel's own widening (the load-time check compares it
-// bit for bit with the loader's float32 weights).
+// Wq back to W [N, K] float32, by the widening gemm_q itself runs (the vector one where it is
+// compiled in): the load-time check compares it bit for bit with the loader's float32 weights.
 torch::Tensor unpack_q(const torch::Tensor& wq, int64_t K, int64_t N, int64_t fmt) {
   check_quant(wq, K, N, fmt);
   const int64_t blocks = wq.size(0);
   auto wp = torch::empty({blocks, K, NB}, torch::kFloat);
   const int64_t bb = K / QK * group_bytes(fmt);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      widen_block(wq.data_ptr<uint8_t>() + b * bb, K, fmt, wp.data_ptr<float>() + b * K * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* src = wq.data_ptr<uint8_t>() + b * bb;
+      float* dst = wp.data_ptr<float>() + b * K * NB;
+#if defined(__AVX512F__)
+      if (fmt == pagedkv::FMT_Q8_0)
+        widen_span<pagedkv::FMT_Q8_0>(src, 0, K, dst);
+      else
+        widen_span<pagedkv::FMT_Q4_1>(src, 0, K, dst);
+#else
+      widen_block(src, K, fmt, dst);
+#endif
+    }
   });
   return unpack_float(wp, N);
 }
