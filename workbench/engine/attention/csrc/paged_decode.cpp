@@ -105,7 +105,8 @@ struct Geometry {
 
 // Ask for page j of an item (the item's heads of it) before it is read: pages are scattered
 // through the pool, and the hardware prefetcher follows one page only. Two pages ahead
-// covers the DRAM latency at one page's compute time.
+// covers the DRAM latency at one page's compute time. (Items of one KV head only: whole
+// rows read each page front to back instead, read_page below.)
 template <typename T>
 inline void prefetch_page(const T* base, const Item& it, const Geometry& g, int64_t j) {
   const int64_t t0 = j * g.ps;
@@ -263,6 +264,28 @@ Steps<T> steps_for(int64_t d, int64_t gq) {
   return st;
 }
 
+// Read a whole page (all KV heads of its tokens) front to back before the per-head passes
+// use it from L1. Those passes read each token's 3 head slices in 3 separate sweeps, a
+// stride the hardware prefetcher does not follow: measured here (24 rows, ~310 tokens, 30
+// layers of fp32 pages from DRAM) the sweeps ran at 12 GB/s, this one sequential read first
+// at 18-19 GB/s (a plain read of the same bytes: 30), and better than software prefetches
+// of the next pages, with or without it.
+template <typename T>
+inline void read_page(const T* p, int64_t n) {
+#if defined(__AVX512F__)
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();   // integer ors: no float assists
+  for (int64_t i = 0; i + 128 <= bytes; i += 128) {
+    a = _mm512_or_si512(a, _mm512_loadu_si512(c + i));
+    b = _mm512_or_si512(b, _mm512_loadu_si512(c + i + 64));
+  }
+  asm volatile("" : : "v"(a), "v"(b));    // the loads are the point: keep them
+#else
+  (void)p, (void)n;
+#endif
+}
+
 // One item: scores of all its query heads page by page, softmax, then P.V page by page.
 // A page is visited once per pass for all the item's heads: its bytes are read together.
 template <typename T>
@@ -270,13 +293,23 @@ void run_item(const Item& it, const T* kp, const T* vp, const Geometry& g, const
               float* scores, float* acc) {
   const int64_t len = it.len, ps = g.ps, d = g.d, first = it.h0 * g.g, heads = (it.h1 - it.h0) * g.g;
   const int64_t pages = (len + ps - 1) / ps;
-  prefetch_page(kp, it, g, 0);
-  prefetch_page(kp, it, g, 1);
+  // A whole row reads whole pages: one sequential read each (read_page). One KV head of a
+  // row (short batches) reads a strided slice: software prefetch of its pages two ahead.
+  const bool whole = it.h1 - it.h0 == g.hkv;
+  if (!whole) {
+    prefetch_page(kp, it, g, 0);
+    prefetch_page(kp, it, g, 1);
+  }
   for (int64_t j = 0; j < pages; ++j) {
     const int64_t t0 = j * ps, m = std::min(ps, len - t0);
-    if (j + 2 < pages) prefetch_page(kp, it, g, j + 2);
-    else prefetch_page(vp, it, g, j + 2 - pages);          // V's first pages, read after the softmax
     const T* page = kp + static_cast<int64_t>(it.pages[j]) * g.page_stride;
+    if (whole) {
+      read_page(page, m * g.tok_stride);
+    } else if (j + 2 < pages) {
+      prefetch_page(kp, it, g, j + 2);
+    } else {
+      prefetch_page(vp, it, g, j + 2 - pages);          // V's first pages, read after the softmax
+    }
     for (int64_t h = it.h0; h < it.h1; ++h)
       for (int64_t c = 0; c < g.g; c += gq) {
         const int64_t qi = h * g.g + c, n = std::min(gq, g.g - c);
@@ -289,8 +322,9 @@ void run_item(const Item& it, const T* kp, const T* vp, const Geometry& g, const
   std::fill(acc, acc + heads * d, 0.f);
   for (int64_t j = 0; j < pages; ++j) {
     const int64_t t0 = j * ps, m = std::min(ps, len - t0);
-    prefetch_page(vp, it, g, j + 2);
     const T* page = vp + static_cast<int64_t>(it.pages[j]) * g.page_stride;
+    if (whole) read_page(page, m * g.tok_stride);
+    else prefetch_page(vp, it, g, j + 2);
     for (int64_t h = it.h0; h < it.h1; ++h)
       for (int64_t c = 0; c < g.g; c += gq) {
         const int64_t qi = h * g.g + c, n = std::min(gq, g.g - c);
