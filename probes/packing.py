@@ -110,6 +110,8 @@ class FirstLayerTap:
         if layer == 0 and self.after_fn is not None:
             self.after_fn(batch)
 
+    reads_hidden = False             # on_hidden is a no-op: the model may skip unsampled rows' last layer
+
     def on_hidden(self, layer, h, batch) -> None:
         pass
 

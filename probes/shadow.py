@@ -75,6 +75,8 @@ class _Tap:
     def __init__(self, on_q, on_kv, on_out):
         self.on_q, self.on_kv, self.on_attention_out = on_q, on_kv, on_out
 
+    reads_hidden = False             # on_hidden is a no-op: the model may skip unsampled rows' last layer
+
     def on_hidden(self, layer, h, batch) -> None:
         pass
 

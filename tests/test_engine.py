@@ -197,3 +197,50 @@ def test_sampling_is_seeded(tiny_llama_dir):
     assert a.token_ids == b.token_ids
     c = eng.generate([prompts(1)[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=4, ignore_eos=True))[0]
     assert c.token_ids != a.token_ids
+
+
+def test_last_layer_runs_only_the_sampled_rows(tiny_llama_dir):
+    """A prefill step's last o_proj + MLP run for the sampled rows only, with the same logits
+    as running every row; a tap that reads every row's hidden state gets every row."""
+    from workbench.engine import instrumentation
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64, enable_prefix_caching=False))
+    for p in prompts(3, lo=20, hi=60):
+        eng.add_request(p, GREEDY)
+    eng.step()
+    batch, model = eng.last_batch, eng.model
+    t, s = batch.num_tokens, int(batch.logits_indices.shape[0])
+    assert s == 3 and t >= 60
+    rows_seen = []
+    down = model.layers[-1].down
+    real_add = down.add
+    down.add = lambda x, other: (rows_seen.append(x.shape[0]), real_add(x, other))[1]
+
+    def forward():
+        rows_seen.clear()
+        return model.forward(batch, eng.kv, eng.attn), list(rows_seen)
+
+    pruned, seen = forward()
+    assert seen == [s] and pruned.shape[0] == s
+    model.prune_unsampled = False
+    full, seen = forward()
+    model.prune_unsampled = True
+    assert seen == [t]
+    torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5 * float(full.abs().max()))
+
+    class EveryRow:                      # a tap reading hidden states (the fp16 probe's kind)
+        def on_kv(self, layer, k, v, batch):
+            pass
+
+        def on_hidden(self, layer, h, batch):
+            hidden.append(h.shape[0])
+
+    class NoRows(EveryRow):
+        reads_hidden = False
+    for tap, want in ((EveryRow(), t), (NoRows(), s)):
+        hidden = []
+        instrumentation.add_tap(eng, tap)
+        try:
+            _, seen = forward()
+        finally:
+            instrumentation.remove_tap(eng, tap)
+        assert seen == [want] and hidden == [t] * (len(model.layers) - 1) + [want]

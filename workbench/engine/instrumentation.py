@@ -45,7 +45,16 @@ class ModelHooks:
             bus.emit(AttentionRead(self.engine.step_count, now_ns(), layer, bt.version, bt.checksum,
                                    pages * self.kv_bytes_per_page_layer))
 
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether a tap reads every row's hidden state after each layer (a tap says otherwise
+        with reads_hidden = False): the model then runs the last layer for every row, not only
+        for the sampled ones."""
+        return any(getattr(t, "reads_hidden", True) for t in self.taps)
+
     def on_hidden(self, layer, h, batch) -> None:
+        """h: every row's hidden state after `layer`; after the last layer only the sampled rows'
+        (batch.logits_indices) unless reads_hidden."""
         for t in self.taps:
             t.on_hidden(layer, h, batch)
 

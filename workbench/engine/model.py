@@ -88,6 +88,7 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.hooks = None     # set by the engine while probes listen: on_kv / on_attention / on_hidden
+        self.prune_unsampled = True   # last layer's o_proj + MLP for sampled rows only (see forward)
 
     @property
     def num_params(self) -> int:
@@ -122,6 +123,15 @@ class LlamaModel:
         if not fused:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
+        # The last layer's o_proj and MLP run only for the rows that are sampled: the other rows'
+        # K/V are stored by then, and nothing else reads their final hidden state (a prefill
+        # chunk of 2048 tokens samples a handful). Skipped while a tap reads every row's hidden
+        # state (the fp16 probe), and under tensor parallel (prune_unsampled), where every
+        # rank must run the same shapes whatever taps rank 0 has.
+        rows = batch.logits_indices
+        prune = (self.prune_unsampled and rows.shape[0] < t
+                 and (hooks is None or not hooks.reads_hidden))
+        last = len(self.layers) - 1
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)
@@ -145,10 +155,14 @@ class LlamaModel:
             o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch, plan)
             if hooks is not None:
                 hooks.on_attention(i, batch, batch.block_tables, o)
-            h = L.o.add(o.reshape(t, hq * hd), h)                 # h + o_proj(o)
+            o = o.reshape(t, hq * hd)
+            if prune and i == last:
+                o, h = o.index_select(0, rows), h.index_select(0, rows)
+            h = L.o.add(o, h)                                     # h + o_proj(o)
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
             h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
             if hooks is not None:
                 hooks.on_hidden(i, h, batch)
-        last = h.index_select(0, batch.logits_indices)
-        return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps)).float()
+        if not prune:
+            h = h.index_select(0, rows)
+        return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps)).float()

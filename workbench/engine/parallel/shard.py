@@ -197,6 +197,7 @@ class TensorParallelModel(LlamaModel):
             L.down = RowParallelLinear(L.down, group, rank == 0)
         self.lm_head = VocabParallelHead(self.lm_head, group, plan.sizes("vocab_rows"), rank)
         self.driver = None                 # rank 0: the Driver whose protocol wraps every forward
+        self.prune_unsampled = False       # same shapes on every rank, whatever taps rank 0 has
 
     def forward(self, batch, kv, attn) -> torch.Tensor:
         if self.driver is not None:
