@@ -120,10 +120,35 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
   std::fill(o, o + R * d, 0.f);
   std::fill(m, m + rpad, -INFINITY);
   std::fill(l, l + rpad, 0.f);
-  std::fill(qt, qt + d * rpad, 0.f);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* qr = q + (c.start + i0 + r / g) * s.qs0 + (h * g + r % g) * s.qs1;
-    for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = qr[x] * s.scale;
+  const float* q0 = q + (c.start + i0) * s.qs0 + h * g * s.qs1;     // row r: position r / g, head r % g
+#if defined(__AVX512F__)
+  // Q transposed 16 rows at a time by gathers (the rows' offsets once a group, then one
+  // gather per dimension): the scalar loop was ~8% of the kernel's time.
+  const int64_t row_span = (QB - 1) * s.qs0 + (g - 1) * s.qs1 + d;
+  if (row_span < (int64_t{1} << 31) / static_cast<int64_t>(sizeof(float))) {
+    const __m512 vscale = _mm512_set1_ps(s.scale);
+    for (int64_t r0 = 0; r0 < rpad; r0 += 16) {
+      alignas(64) int32_t off[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = std::min<int64_t>(r0 + i, R - 1);
+        off[i] = static_cast<int32_t>((r / g) * s.qs0 + (r % g) * s.qs1);
+      }
+      const __m512i vo = _mm512_load_si512(off);
+      const __mmask16 live = R - r0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (R - r0)) - 1);
+      for (int64_t x = 0; x < d; ++x) {
+        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, vo, q0 + x, 4);
+        _mm512_storeu_ps(qt + x * rpad + r0, _mm512_mul_ps(v, vscale));
+      }
+    }
+  } else
+#endif
+  {
+    std::fill(qt, qt + d * rpad, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+      for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = qr[x] * s.scale;
+    }
   }
   const int64_t first_pos = c.context - c.n + i0;
   const int64_t last_key = std::min(c.context - 1, first_pos + qn - 1 + c.offset);   // of any row
