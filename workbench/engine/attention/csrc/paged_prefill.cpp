@@ -53,6 +53,9 @@ inline void qk_rows(const float* qt, int64_t rpad, const T* kp, int64_t kstride,
     for (int64_t x = 0; x < d; ++x) {
       __m512 qv[NG];
       for (int gi = 0; gi < NG; ++gi) qv[gi] = _mm512_loadu_ps(qt + x * rpad + 16 * gi);
+      // Keep q in registers: g++ otherwise folds each load into the 4 FMAs that use it (12
+      // vector loads a step where 3 do), and the loop ran load-bound (~8% of the kernel).
+      for (int gi = 0; gi < NG; ++gi) asm("" : "+v"(qv[gi]));
       for (int u = 0; u < 4; ++u) {
         const __m512 kb = _mm512_set1_ps(pagedkv::to_float(k0[u * kstride + x]));
         for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_fmadd_ps(kb, qv[gi], a[u][gi]);
