@@ -53,10 +53,17 @@ HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16"))
 class _Tap:
     """What ModelHooks calls; each method already guarded by the probe."""
 
-    def __init__(self, on_kv, on_hidden, on_q=None):
+    def __init__(self, on_kv, on_hidden, on_q=None, measuring=lambda: True):
         self.on_kv, self.on_hidden = on_kv, on_hidden
+        self._measuring = measuring
         if on_q is not None:
             self.on_q = on_q
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Every row's last hidden state is read on measured steps only: on the others the model
+        may run its last layer for the sampled rows alone."""
+        return self._measuring()
 
     def on_scores(self, *a, **kw) -> None:     # part of the tap protocol; the bound is computed in on_kv
         pass
@@ -88,7 +95,8 @@ class FP16OverflowProbe(Probe):
         self._act_fp16 = m.dtype == torch.float16
         self._score_scale = engine.attn.scale
         self._q, self._recompute = None, False
-        self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden), self.guard(self._on_q))
+        self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden), self.guard(self._on_q),
+                         measuring=lambda: self._active)
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:

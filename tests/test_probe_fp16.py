@@ -299,3 +299,23 @@ def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir)
         wb.detach()
     assert len(bounds[0]) > 0 and np.isfinite(bounds[0]).all()
     assert np.allclose(bounds[0], bounds[1], rtol=1e-4)
+
+
+def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
+    """The model runs its last layer for the sampled rows only, except on the steps the probe
+    measures: there every token's last hidden state is computed and measured."""
+    eng = engine(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=48)
+    wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 2})
+    probe = wb.probe("fp16_overflow")
+    down = eng.model.layers[-1].down
+    real_add, seen = down.add, []
+    down.add = lambda x, other: (seen.append((eng.step_count, x.shape[0], eng.last_batch.num_tokens,
+                                              int(eng.last_batch.logits_indices.shape[0]))), real_add(x, other))[1]
+    eng.generate(prompts(4), GREEDY)
+    measured = {r["step"] for r in probe.rows}
+    partial = [(step, rows, t, s) for step, rows, t, s in seen if s < t]      # steps with unsampled rows
+    assert any(step in measured for step, *_ in partial) and any(step not in measured for step, *_ in partial)
+    for step, rows, t, s in partial:
+        assert rows == (t if step in measured else s), (step, rows, t, s)
+    last = [r for r in probe.rows if r["layer"] == eng.model_config.num_layers - 1]
+    assert last and all(r["tokens"] > 0 for r in last)

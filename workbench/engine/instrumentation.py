@@ -47,9 +47,9 @@ class ModelHooks:
 
     @property
     def reads_hidden(self) -> bool:
-        """Whether a tap reads every row's hidden state after each layer (a tap says otherwise
-        with reads_hidden = False): the model then runs the last layer for every row, not only
-        for the sampled ones."""
+        """Whether a tap reads every row's hidden state after the last layer of this forward (a
+        tap says otherwise with reads_hidden = False, or a property): the model then runs the last
+        layer for every row, not only for the sampled ones. Asked when the last layer begins."""
         return any(getattr(t, "reads_hidden", True) for t in self.taps)
 
     def on_hidden(self, layer, h, batch) -> None:

@@ -125,12 +125,12 @@ class LlamaModel:
         hooks = self.hooks
         # The last layer's o_proj and MLP run only for the rows that are sampled: the other rows'
         # K/V are stored by then, and nothing else reads their final hidden state (a prefill
-        # chunk of 2048 tokens samples a handful). Skipped while a tap reads every row's hidden
-        # state (the fp16 probe), and under tensor parallel (prune_unsampled), where every
-        # rank must run the same shapes whatever taps rank 0 has.
+        # chunk of 2048 tokens samples a handful). Not while a tap reads every row's hidden state
+        # (asked at the last layer: the fp16 probe reads it on the steps it measures), nor under
+        # tensor parallel (prune_unsampled), where every rank must run the same shapes whatever
+        # taps rank 0 has.
         rows = batch.logits_indices
-        prune = (self.prune_unsampled and rows.shape[0] < t
-                 and (hooks is None or not hooks.reads_hidden))
+        prune = self.prune_unsampled and rows.shape[0] < t
         last = len(self.layers) - 1
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
@@ -157,7 +157,9 @@ class LlamaModel:
                 hooks.on_attention(i, batch, batch.block_tables, o)
             o = o.reshape(t, hq * hd)
             if prune and i == last:
-                o, h = o.index_select(0, rows), h.index_select(0, rows)
+                prune = hooks is None or not hooks.reads_hidden
+                if prune:
+                    o, h = o.index_select(0, rows), h.index_select(0, rows)
             h = L.o.add(o, h)                                     # h + o_proj(o)
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
             h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
