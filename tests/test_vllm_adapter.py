@@ -133,7 +133,14 @@ def test_metadata_fault_is_caught_naming_the_request(served, fault, kind):
     write_fault_file(faults, fault)
     try:
         time.sleep(0.5)                                   # every vLLM process re-reads the file
-        ids, outs = burst(server, qs, workers=6, max_tokens=48)
+        # Up to 3 bursts: on a loaded host a process may re-read the file after the first burst began,
+        # and one misplaced K/V row a boundary can leave 6 greedy answers unchanged (seen once in CI).
+        ids = []
+        for _ in range(3):
+            got, outs = burst(server, qs, workers=6, max_tokens=48)
+            ids += got
+            if any(o != c for c, o in zip(clean, outs)):
+                break
     finally:
         write_fault_file(faults)
     wait_idle(wb.vllm)
