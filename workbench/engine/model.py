@@ -130,7 +130,7 @@ class LlamaModel:
         # tensor parallel (prune_unsampled), where every rank must run the same shapes whatever
         # taps rank 0 has.
         rows = batch.logits_indices
-        prune = self.prune_unsampled and rows.shape[0] < t
+        may_prune, pruned = self.prune_unsampled and rows.shape[0] < t, False
         last = len(self.layers) - 1
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
@@ -156,15 +156,14 @@ class LlamaModel:
             if hooks is not None:
                 hooks.on_attention(i, batch, batch.block_tables, o)
             o = o.reshape(t, hq * hd)
-            if prune and i == last:
-                prune = hooks is None or not hooks.reads_hidden
-                if prune:
-                    o, h = o.index_select(0, rows), h.index_select(0, rows)
+            if may_prune and i == last and (hooks is None or not hooks.reads_hidden):
+                o, h = o.index_select(0, rows), h.index_select(0, rows)
+                pruned = True
             h = L.o.add(o, h)                                     # h + o_proj(o)
             x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
             h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
             if hooks is not None:
                 hooks.on_hidden(i, h, batch)
-        if not prune:
+        if not pruned:
             h = h.index_select(0, rows)
         return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps)).float()

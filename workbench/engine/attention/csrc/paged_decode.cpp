@@ -270,6 +270,12 @@ Steps<T> steps_for(int64_t d, int64_t gq) {
 // layers of fp32 pages from DRAM) the sweeps ran at 12 GB/s, this one sequential read first
 // at 18-19 GB/s (a plain read of the same bytes: 30), and better than software prefetches
 // of the next pages, with or without it.
+#if defined(__AVX512F__)
+constexpr bool kReadPages = true;
+#else
+constexpr bool kReadPages = false;     // no read_page below: every item keeps the prefetches
+#endif
+
 template <typename T>
 inline void read_page(const T* p, int64_t n) {
 #if defined(__AVX512F__)
@@ -295,7 +301,7 @@ void run_item(const Item& it, const T* kp, const T* vp, const Geometry& g, const
   const int64_t pages = (len + ps - 1) / ps;
   // A whole row reads whole pages: one sequential read each (read_page). One KV head of a
   // row (short batches) reads a strided slice: software prefetch of its pages two ahead.
-  const bool whole = it.h1 - it.h0 == g.hkv;
+  const bool whole = kReadPages && it.h1 - it.h0 == g.hkv;
   if (!whole) {
     prefetch_page(kp, it, g, 0);
     prefetch_page(kp, it, g, 1);
