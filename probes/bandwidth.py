@@ -33,6 +33,16 @@ threads' CPU time (a machine shared with other work: the step was starved, not s
 On a CPU the rate judged and learned (rate_gbs) is bytes per second of CPU time the
 step's threads got (wall x cpu_share), so a busy host does not read as a slower engine.
 
+A host can also be slow without taking CPU time from the process: a hypervisor stealing
+cycles that the guest still counts as ours, a neighbour saturating memory bandwidth, a
+clock that dropped. So before a window turns into a finding the probe times a control:
+a fixed copy (control_nbytes) that no engine change can slow, measured the same way (per
+CPU-second on a CPU) and compared with the best the control reached since attach. The
+window's median is divided by the control's share (when under 1): a host running at half
+speed makes a half-speed step normal, and the probe reports host-slow (info) instead of
+blaming the engine. A slower engine on a normal host keeps its warning; the control
+costs a few milliseconds, and only when a verdict is due.
+
 Also a config check, at attach and whenever the page size changes: a page size that
 is not a power of two >= 16 has no paged kernel and runs a slow fallback (field note 8).
 
@@ -289,7 +299,7 @@ class BandwidthProbe(Probe):
                  min_bytes: int = 64 << 20, window: int = 16, min_cpu_share: float | None = None,
                  baseline_file: str | Path | None | bool = None, learn: bool = True, min_samples: int = 8,
                  baseline_quantile: float = 0.75, save_every: int = 1000,
-                 peak_max_age_days: float | None = 7.0,
+                 peak_max_age_days: float | None = 7.0, control_nbytes: int = 8 << 20,
                  msprof_dir: str | None = None, max_rows: int = 100_000, **params):
         """threshold: share of the bucket's baseline under which a step is low (default 0.5);
         mixed_threshold the same for steps with prefill (default: threshold; reported as info).
@@ -305,12 +315,15 @@ class BandwidthProbe(Probe):
         Steps under min_bytes are not judged, nor CPU steps that got under min_cpu_share of their
         threads' CPU time (0: judge all; default 0.8 with several torch threads, where one starved
         thread stalls its siblings at barriers and the step slows far more than its CPU time
-        shows, 0.2 with one thread, whose CPU time is the work done)."""
+        shows, 0.2 with one thread, whose CPU time is the work done).
+        control_nbytes: the host control's copy size, timed at attach and again before a
+        verdict (0: no control; every low window is the engine's)."""
         super().__init__(peak_gbs=peak_gbs, peak_nbytes=peak_nbytes, threshold=threshold,
                          mixed_threshold=mixed_threshold, min_bytes=min_bytes, window=window,
                          min_cpu_share=min_cpu_share, baseline_file=baseline_file, learn=learn,
                          min_samples=min_samples, baseline_quantile=baseline_quantile, save_every=save_every,
-                         peak_max_age_days=peak_max_age_days, msprof_dir=msprof_dir, max_rows=max_rows, **params)
+                         peak_max_age_days=peak_max_age_days, control_nbytes=control_nbytes,
+                         msprof_dir=msprof_dir, max_rows=max_rows, **params)
         self.max_rows = max_rows
         self.peak_gbs = peak_gbs
         self.peak = None                     # peak_figures' answer when the probe measured it
@@ -333,6 +346,8 @@ class BandwidthProbe(Probe):
         self._win = {True: deque(maxlen=window), False: deque(maxlen=window)}
         self._checked_page_size = None
         self._peak_rechecked = False
+        self.control_nbytes = int(control_nbytes)
+        self.control_ref_gbs: float | None = None     # the best the host control reached since attach
 
     # ---- lifecycle -----------------------------------------------------------
     def on_attach(self, engine) -> None:
@@ -354,6 +369,8 @@ class BandwidthProbe(Probe):
         if self.peak_gbs is None:
             self.guard(self._measure_peak)()
         self.guard(self.check_config)()
+        if self.control_nbytes > 0:
+            self.guard(self._control_share)()            # the reference, while nothing is slow yet
         if engine.device.type == "cpu":
             self.listen(BlockTableBound, self._mark_start)       # bound just before the forward
         self.listen(StepFinished, self.on_step)
@@ -376,6 +393,35 @@ class BandwidthProbe(Probe):
         _, cpu0, wall0 = self._mark
         wall = time.perf_counter() - wall0
         return (time.process_time() - cpu0) / (wall * torch.get_num_threads()) if wall > 0 else None
+
+    def _control_gbs(self, repeats: int = 7) -> float:
+        """The host control: median GB/s of a fixed copy, per CPU-second on a CPU as steps are."""
+        import torch
+        from workbench.engine.device import synchronize
+        dev = self.engine.device
+        n = max(1, self.control_nbytes // 4)
+        src = torch.ones(n, dtype=torch.float32, device=dev)
+        dst = torch.empty_like(src)
+        dst.copy_(src)                                 # warm-up: first touch of the pages
+        synchronize(dev)
+        threads = torch.get_num_threads() if dev.type == "cpu" else 1
+        rates = []
+        for _ in range(repeats):
+            c0, w0 = time.process_time(), time.perf_counter()
+            dst.copy_(src)
+            synchronize(dev)
+            wall = max(time.perf_counter() - w0, 1e-9)
+            share = min(1.0, (time.process_time() - c0) / (wall * threads)) if dev.type == "cpu" else 1.0
+            rates.append(8.0 * n / (wall * max(share, 1e-3)) / 1e9)
+        return median(rates)
+
+    def _control_share(self) -> tuple[float, float] | None:
+        """(control GB/s now, its share of the best seen since attach); the best is updated."""
+        if self.control_nbytes <= 0:
+            return None
+        now = self._control_gbs()
+        self.control_ref_gbs = max(now, self.control_ref_gbs or 0.0)
+        return now, now / self.control_ref_gbs
 
     def _measure_peak(self, min_bandwidth_gbs: float | None = None, step: int | None = None) -> None:
         from workbench.engine.device import peak_figures
@@ -487,10 +533,32 @@ class BandwidthProbe(Probe):
         if len(win) == self.window:
             med = median(r for r, *_ in win)
             if med < thr:
-                self._report_low(e, decode_only, med, thr, list(win), share)
+                control = self.guard(self._control_share)()
+                if control is not None and med / min(1.0, control[1]) >= thr:
+                    self._report_host_slow(e, decode_only, med, thr, control)
+                    win.clear()                 # the next verdict needs a whole new window (and control)
+                    return
+                self._report_low(e, decode_only, med, thr, list(win), share, control)
+
+    def _report_host_slow(self, e: StepFinished, decode_only: bool, med: float, thr: float,
+                          control: tuple[float, float]) -> None:
+        now, frac = control
+        what = "decode-only steps" if decode_only else "steps with prefill"
+        self.report(
+            "info",
+            f"{what} ran at {med:.0%} of their baseline (median of the last {self.window} judged steps), but "
+            f"the host itself was slow: a fixed {self.control_nbytes / 2**20:g} MiB copy ran at {now:.3g} GB/s, "
+            f"{frac:.0%} of the {self.control_ref_gbs:.3g} GB/s it reached since attach; relative to the host "
+            f"the steps were at {med / frac:.0%}, not a regression of the engine",
+            hint="other work on this host or device (a hypervisor stealing cycles, a neighbour saturating "
+                 "memory bandwidth, a lowered clock); the engine is judged again on the next window",
+            kind="host-slow", step=e.step, dedup=("host-slow", decode_only),
+            evidence={"median_vs_baseline": med, "threshold": thr, "control_gbs": now,
+                      "control_best_gbs": self.control_ref_gbs, "control_share": frac,
+                      "control_nbytes": self.control_nbytes})
 
     def _report_low(self, e: StepFinished, decode_only: bool, med: float, thr: float, win: list,
-                    share: float) -> None:
+                    share: float, control: tuple[float, float] | None = None) -> None:
         what = "decode-only steps" if decode_only else "steps with prefill"
         ps = self.engine.pool.page_size
         backend = getattr(self.engine.attn, "name", type(self.engine.attn).__name__)
@@ -528,7 +596,9 @@ class BandwidthProbe(Probe):
                       "baseline_attention_backend": bback, "baseline_updated_at": ent.get("updated_at"),
                       "baseline_file": str(self.baselines.path) if self.baselines.path else None,
                       "page_size": ps, "attention_backend": backend, "peak_gbs": self.peak_gbs,
-                      "share_of_peak": share, "machine": self.machine, "model": self.model_desc})
+                      "share_of_peak": share, "machine": self.machine, "model": self.model_desc,
+                      "control_gbs": control[0] if control else None,
+                      "control_share": control[1] if control else None})
 
     def reset(self) -> None:
         """Forget rows, findings and windows; the baselines are this machine's, they stay."""

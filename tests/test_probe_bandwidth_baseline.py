@@ -231,6 +231,56 @@ def test_regression_against_the_learned_baseline_names_shape_and_baseline(sharp_
     wb.detach()
 
 
+def test_a_slow_host_is_not_an_engine_regression(sharp_llama_dir, cache, monkeypatch):
+    """A host that slows everything (stolen cycles counted as ours, a neighbour on the memory bus,
+    a lowered clock) slows the steps without taking CPU time from them. Before a verdict the probe
+    times its control copy again: when the control slowed as much as the steps, the window is the
+    host's (host-slow, info), when it did not, the engine's (the warning, with the control's figure)."""
+    eng = tiny(sharp_llama_dir)
+    eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
+    p = wb.probe("bandwidth")
+    ref_gbs = p.control_ref_gbs
+    assert ref_gbs is not None and ref_gbs > 0.1                     # measured at attach: a real copy
+    wb.run(PROMPTS, GREEDY)
+    wb.run(PROMPTS, GREEDY)
+    assert loud(wb) == []
+    real_control = p._control_gbs
+    calls = []
+
+    def host_at(frac):                 # the control as a host running at `frac` of its speed reads it
+        def control(*a, **k):
+            calls.append(frac)
+            real_control(*a, **k)        # the copy still runs: its cost is part of the run
+            return ref_gbs * frac
+        return control
+
+    def slow_engine_run():             # the engine at ~1/4 of its baseline (a real slowdown)
+        eng.attn.decode = wasteful_decode(eng, cpu_s=0.002)
+        try:
+            wb.run(PROMPTS, GREEDY)
+        finally:
+            del eng.attn.decode
+
+    # The steps ran at ~1/4 of their baseline (wasteful decode) on a host at 1/10 of its speed.
+    monkeypatch.setattr(p, "_control_gbs", host_at(0.1))
+    slow_engine_run()
+    assert calls and loud(wb) == []
+    (f,) = [f for f in wb.all_findings() if f.kind == "host-slow"]
+    assert f.severity == "info" and f.evidence["control_share"] == pytest.approx(0.1)
+    assert f.evidence["median_vs_baseline"] < 0.5 and "not a regression of the engine" in f.message
+    # The same slow engine on a host at 95% of its speed: the engine's regression, as before.
+    wb.reset()
+    calls.clear()
+    monkeypatch.setattr(p, "_control_gbs", host_at(0.95))
+    slow_engine_run()
+    (w,) = wb.findings_at_least("warn")
+    assert calls and w.kind == "low-bandwidth-decode"
+    assert w.evidence["control_share"] == pytest.approx(0.95) and w.evidence["median_vs_baseline"] < 0.5
+    assert not [f for f in wb.all_findings() if f.kind == "host-slow"]
+    wb.detach()
+
+
 def test_slow_page_size_is_a_regression_against_the_supported_page_size(sharp_llama_dir):
     """The fault keeps the model and the batch shapes and re-pages to 12 tokens: the baseline key
     has no page size, so the same shapes are judged against what page_size 16 reached."""
