@@ -9,6 +9,10 @@ run without the bf16 path on a CPU without native bf16). The last section runs t
 weights as a GGUF file holds them (Q4_1, quantized by gguf-py) through the skinny GEMM's
 quantized path (engine/quant_layout.py, float32 products), against the float32 skinny GEMM
 and oneDNN: the rows where it wins are the ones engine/linear.py gives it (QUANT_MAX_ROWS).
+On a CPU with native bf16 GEMMs (avx512_bf16 or AMX) a last section runs bf16 activations the
+way the native bf16 path does: oneDNN's bf16 kernel against the skinny GEMM over the same bf16
+weights (activations widened in, outputs rounded back, both counted): the rows where the skinny
+GEMM wins are the ones engine/linear.py gives it in native bf16 (NATIVE_BF16_SKINNY_ROWS).
 
     .venv/bin/python benchmarks/linear_speed.py [--rows 1,8,16,24,32,48,64,96]
 """
@@ -23,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.engine import quant_layout, skinny_gemm  # noqa: E402
+from workbench.engine import cpu_bf16, quant_layout, skinny_gemm  # noqa: E402
 
 SHAPES = [(832, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # qkv, o, gate, up, down
 LAYERS = 30
@@ -67,6 +71,23 @@ def main(argv=None):
                   f"oneDNN fp32 {t_dn * 1e3:7.2f} ms ({fp32_bytes / t_dn / 1e9:5.1f})   "
                   f"F.linear fp32 {t_fl * 1e3:7.2f} ms   oneDNN / skinny = {t_dn / t_sk:.2f}x")
     quant_section(k, fp32, onednn, dense[torch.float32], a.rows, g)
+    if cpu_bf16._hardware()[0]:
+        native_bf16_section(k, fp32, dense[torch.bfloat16], a.rows, g)
+
+
+def native_bf16_section(k, fp32, skinny, rows_arg, g):
+    bf = torch.bfloat16
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w.to(bf), 16) for w in ws] for ws in fp32]
+    print("== native bf16: bf16 activations, bf16 weights (oneDNN's bf16 kernel vs the skinny GEMM, "
+          "fp32 products of the same bf16 values)")
+    for rows in map(int, rows_arg.split(",")):
+        xs = [torch.randn(rows, i, generator=g).to(bf) for _, i in SHAPES]
+        t_sk = best(lambda: [k.gemm(x.float(), p, o, None, 0, None, 0).to(bf) for ws in skinny
+                             for x, p, (o, _) in zip(xs, ws, SHAPES)])
+        t_dn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for ws in onednn
+                             for x, p in zip(xs, ws)])
+        print(f"  {rows:4d} rows: skinny bf16 {t_sk * 1e3:7.2f} ms   oneDNN bf16 {t_dn * 1e3:7.2f} ms   "
+              f"oneDNN / skinny = {t_dn / t_sk:.2f}x")
 
 
 def quant_section(k, fp32, onednn, skinny, rows_arg, g):

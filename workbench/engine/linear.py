@@ -32,6 +32,10 @@ SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
 # The file's quantized blocks stream ~3.5x fewer bytes than float32: ahead of oneDNN up to
 # ~64-96 rows by benchmarks/linear_speed.py (1.6x at 24, 1.2x at 64, 0.84-1.05x at 96).
 QUANT_MAX_ROWS = 64
+# Native bf16 (bf16 activations, oneDNN's bf16 kernel): the skinny GEMM over the same bf16 weights
+# (activations widened in, outputs rounded back) wins only where the weight stream is the cost:
+# 1.7x at 1 row, 1.46x at 4, level at 8 (benchmarks/linear_speed.py, native bf16 section).
+NATIVE_BF16_SKINNY_ROWS = 4
 _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
@@ -68,7 +72,11 @@ class Linear:
         widened = self.compute_dtype != self.dtype           # bf16 storage, fp32 compute
         x = torch.randn(3, self.in_features, dtype=self.compute_dtype, device=self.device)
         ref = F.linear(x, weight.to(self.compute_dtype), self.bias)
-        k = skinny_gemm.kernel() if self.device.type == "cpu" and self.compute_dtype == torch.float32 else None
+        native_bf16 = self.device.type == "cpu" and self.compute_dtype == self.dtype == torch.bfloat16
+        k = (skinny_gemm.kernel() if self.device.type == "cpu" and (self.compute_dtype == torch.float32 or native_bf16)
+             else None)
+        if native_bf16:
+            self.skinny_rows = NATIVE_BF16_SKINNY_ROWS
         if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
             if self.quant is not None and not _agrees(self._skinny(x, 0, None, 0), ref, torch.float32):
@@ -78,7 +86,9 @@ class Linear:
         if k is not None and self.quant is None:
             try:
                 packed = k.pack(weight.contiguous())
-                if _agrees(k.gemm(x, packed, self.out_features, self.bias, 0, None, 0), ref, torch.float32):
+                got = k.gemm(x.float(), packed, self.out_features, None if self.bias is None else self.bias.float(),
+                             0, None, 0)
+                if _agrees(got, ref, self.compute_dtype):
                     self.skinny = packed
             except RuntimeError:
                 pass
@@ -140,16 +150,19 @@ class Linear:
 
     # ---- the three ways to run it -------------------------------------------------------
     def _skinny(self, x: torch.Tensor, act: int, other: torch.Tensor | None, op: int) -> torch.Tensor:
+        # float32 in and out; native bf16 widens its activations (exact) and rounds the result once
         x = x.float() if x.dtype != torch.float32 else x        # a caller's narrower copy (probes)
         if x.stride(-1) != 1:
             x = x.contiguous()
         if other is not None:
             other = other.float() if other.dtype != torch.float32 else other
             other = other if other.stride(-1) == 1 else other.contiguous()
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
         if self.quant is not None:
-            return skinny_gemm.kernel().gemm_q(x, self.quant[0], self.out_features, self.quant[1], self.bias,
+            return skinny_gemm.kernel().gemm_q(x, self.quant[0], self.out_features, self.quant[1], bias,
                                                act, other, op)
-        return skinny_gemm.kernel().gemm(x, self.skinny, self.out_features, self.bias, act, other, op)
+        y = skinny_gemm.kernel().gemm(x, self.skinny, self.out_features, bias, act, other, op)
+        return y if self.compute_dtype == torch.float32 else y.to(self.compute_dtype)
 
     def _dense(self) -> tuple[torch.Tensor, bool]:
         """(a weight oneDNN / F.linear take, whether oneDNN takes it)."""

@@ -23,6 +23,10 @@ from .quant_layout import QuantBlocks
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and native.kernel() is not None:
         return native.kernel().rms_norm(x, w, eps)     # one pass, no OpenMP fork at decode sizes
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and native.kernel() is not None:
+        # native bf16: widened, normed in float32 and rounded once (torch's bf16 formula below
+        # makes 6 passes, ~10x the time at prefill sizes, and rounds twice)
+        return native.kernel().rms_norm(x.float(), w.float(), eps).to(torch.bfloat16)
     if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
@@ -85,6 +89,9 @@ class LlamaModel:
         self.layers = [Layer(state_dict, i, cfg, dtype, d, cd, quantized) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
         self.cos, self.sin = cos.to(d, cd), sin.to(d, cd)
+        # Native bf16 on a CPU runs the GEMMs in bf16 and attention in float32 (attention_dtype):
+        # float32 tables for its RoPE.
+        self.cos32, self.sin32 = (cos.to(d), sin.to(d)) if cd != torch.float32 else (self.cos, self.sin)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.hooks = None     # set by the engine while probes listen: on_kv / on_attention / on_hidden
@@ -106,6 +113,18 @@ class LlamaModel:
     def linear_backend(self) -> str:
         return self.layers[0].qkv.backend if self.layers else self.lm_head.backend
 
+    def attention_dtype(self, attn: AttentionBackend, cache: torch.Tensor | None) -> torch.dtype:
+        """What q, k, v and attention's output are computed in. Native bf16 on a CPU: float32,
+        between the bf16 GEMMs. The compiled kernels (RoPE + K/V store in one pass, paged prefill and
+        decode over bf16 pages) take float32 rows; bf16 would take torch's unfused RoPE, an
+        index_copy per layer and one SDPA call per sequence, ~2x the step's attention time. The
+        pages stay bf16, the widening is exact, and the float32 scores are closer to the float32
+        model than bf16 ones."""
+        if (self.dtype == torch.bfloat16 and self.device.type == "cpu" and cache is not None
+                and attn.fused_rope_write(torch.float32, cache)):
+            return torch.float32
+        return self.dtype
+
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
         """Run every packed token; returns logits [S, vocab] for the rows in batch.logits_indices."""
@@ -113,13 +132,16 @@ class LlamaModel:
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed).to(self.dtype)
-        cos = self.cos.index_select(0, batch.positions)
-        sin = self.sin.index_select(0, batch.positions)
+        adt = self.attention_dtype(attn, kv.k[0] if kv.k else None)
+        widen = adt != self.dtype                     # native bf16 on a CPU: attention in float32
+        cos, sin = (self.cos32, self.sin32) if widen else (self.cos, self.sin)
+        cos = cos.index_select(0, batch.positions)
+        sin = sin.index_select(0, batch.positions)
         # The step's attention plan, once for every layer; kept on the batch for observers.
-        plan = batch.attn_plan = attn.plan(batch, self.dtype, kv.k[0])
+        plan = batch.attn_plan = attn.plan(batch, adt, kv.k[0])
         # RoPE and the K/V store in one pass where the backend has it (the compiled CPU kernel
         # on a plain float32 cache); the torch formulas and write_kv everywhere else.
-        fused = attn.fused_rope_write(self.dtype, kv.k[0]) if kv.k else False
+        fused = attn.fused_rope_write(adt, kv.k[0]) if kv.k else False
         if not fused:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
@@ -135,6 +157,8 @@ class LlamaModel:
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)
+            if widen:
+                qkv = qkv.float()
             if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
                 attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch)
                 q = qkv[:, : self.q_size].view(t, hq, hd)
@@ -156,6 +180,8 @@ class LlamaModel:
             if hooks is not None:
                 hooks.on_attention(i, batch, batch.block_tables, o)
             o = o.reshape(t, hq * hd)
+            if widen:
+                o = o.to(self.dtype)
             if may_prune and i == last and (hooks is None or not hooks.reads_hidden):
                 o, h = o.index_select(0, rows), h.index_select(0, rows)
                 pruned = True
