@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.engine import cpu_bf16
+from workbench.engine import cpu_bf16, skinny_gemm
 from workbench.engine.attention.cpu_paged import NativeDecode
-from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS
+from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS
 from workbench.engine.weights import load_model
 
 CHATS = [[{"role": "user", "content": c}] for c in (
@@ -101,22 +101,32 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
 
 
 def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(bf16_model, monkeypatch):
+    """Decode-sized inputs run the skinny GEMM: the bf16 pair kernel (vdpbf16ps) where it is compiled
+    in, else the float32 one over the same bf16 weights; larger inputs oneDNN's bf16 GEMM."""
     eng = bf16_engine(bf16_model, "native", monkeypatch)
-    lin = eng.model.layers[0].gate
-    assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16
-    assert lin.skinny_rows == NATIVE_BF16_SKINNY_ROWS and lin.packed is not None
-    ran = []
-    skinny = lin._skinny
-    monkeypatch.setattr(lin, "_skinny", lambda *a: ran.append(a[0].shape[0]) or skinny(*a))
-    w = lin.dense_weight().float()
-    g = torch.Generator().manual_seed(0)
-    for rows in (1, NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_SKINNY_ROWS + 1, 64):
-        x = torch.randn(rows, lin.in_features, generator=g).to(torch.bfloat16)
-        y = lin.silu(x)
-        assert y.dtype == torch.bfloat16 and y.shape == (rows, lin.out_features)
-        ref = torch.nn.functional.silu(x.float() @ w.T)                     # fp32 products of the same values
-        assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)          # one bf16 rounding away
-    assert ran == [1, NATIVE_BF16_SKINNY_ROWS]                                # larger inputs: oneDNN's bf16 GEMM
+    pairs = skinny_gemm.kernel().bf16_dot()
+    for lin in (eng.model.layers[0].gate, eng.model.layers[0].down, eng.model.layers[0].qkv):
+        assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.packed is not None
+        assert lin.pairs == pairs
+        assert lin.skinny_rows == (NATIVE_BF16_SKINNY_ROWS if pairs else NATIVE_BF16_WIDENING_ROWS)
+        eye = torch.eye(lin.in_features, dtype=torch.bfloat16)                    # oneDNN's copy, read back
+        assert torch.equal(lin.dense_weight(),
+                           torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "").T)
+        ran = []
+        skinny = lin._skinny
+        monkeypatch.setattr(lin, "_skinny", lambda *a, f=skinny: ran.append(a[0].shape[0]) or f(*a))
+        w = lin.dense_weight().float()
+        g = torch.Generator().manual_seed(0)
+        for rows in (1, 3, lin.skinny_rows, lin.skinny_rows + 1):
+            x = torch.randn(rows, lin.in_features, generator=g).to(torch.bfloat16)
+            other = torch.randn(rows, lin.out_features, generator=g).to(torch.bfloat16)
+            for y, ref in ((lin.silu(x), torch.nn.functional.silu(x.float() @ w.T)),       # fp32 products
+                           (lin.mul(x, other), (x.float() @ w.T) * other.float()),         # of the same values
+                           (lin.add(x, other), (x.float() @ w.T) + other.float())):
+                assert y.dtype == torch.bfloat16 and y.shape == (rows, lin.out_features)
+                scale = float(ref.abs().max())
+                assert float((y.float() - ref).abs().max()) <= 1e-2 * scale      # a bf16 rounding away
+        assert ran == [1] * 3 + [3] * 3 + [lin.skinny_rows] * 3                  # larger: oneDNN's bf16 GEMM
 
 
 def test_bf16_mode_follows_the_hardware_and_the_override(monkeypatch):

@@ -38,6 +38,38 @@ def test_skinny_gemm_matches_linear_with_every_epilogue(kernel, dtype, n, k):
             assert err <= 1e-4 * max(1.0, want.abs().max().item()), (m, act, op, err)
 
 
+
+@pytest.mark.parametrize("n,k", [(832, 576), (40, 34), (17, 64), (1, 6)])
+def test_bf16_pair_kernel_matches_float64_on_the_same_bf16_values(kernel, n, k):
+    """gemm_bf (native bf16: vdpbf16ps, float32 sums, one rounding to bf16 at the end) against
+    float64 over the same bf16 activations, weights and `other`."""
+    if not kernel.bf16_dot():
+        pytest.skip("built without avx512_bf16 (the pair kernel is compiled out)")
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g)
+    wd = kernel.pack_pairs(w)
+    assert wd.shape == (-(-n // 16), k // 2, 16, 2)
+    assert torch.equal(wd.permute(0, 2, 1, 3).reshape(-1, k)[:n], w)       # the layout round-trips
+    for m in (1, 5, 8, 9, 24, 65):                                         # tiles of 8, their tails
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        other = torch.randn(m, n, generator=g).to(torch.bfloat16)
+        ref = F.linear(x.double(), w.double(), b.double())
+        cases = {(0, 0): ref, (1, 0): F.silu(ref), (0, 1): ref * other.double(), (0, 2): ref + other.double(),
+                 (1, 1): F.silu(ref) * other.double()}
+        for (act, op), want in cases.items():
+            got = kernel.gemm_bf(x, wd, n, b, act, other if op else None, op)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16
+            err = (got.double() - want).abs()
+            # one bf16 rounding of the float32 result (2^-8 relative), plus float32 sums
+            assert (err <= want.abs() * 2 ** -8 + 1e-4 * max(1.0, want.abs().max().item())).all(), (m, act, op)
+    with pytest.raises(RuntimeError, match="K even"):
+        kernel.pack_pairs(torch.zeros(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        kernel.gemm_bf(torch.zeros(2, k), wd, n, None, 0, None, 0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.gemm_bf(torch.zeros(2, k + 2, dtype=torch.bfloat16), wd, n, None, 0, None, 0)
+
 def test_skinny_gemm_rejects_bad_shapes(kernel):
     wp = kernel.pack(torch.randn(32, 16))
     with pytest.raises(RuntimeError, match="does not fit"):

@@ -32,10 +32,13 @@ SKINNY_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
 # The file's quantized blocks stream ~3.5x fewer bytes than float32: ahead of oneDNN up to
 # ~64-96 rows by benchmarks/linear_speed.py (1.6x at 24, 1.2x at 64, 0.84-1.05x at 96).
 QUANT_MAX_ROWS = 64
-# Native bf16 (bf16 activations, oneDNN's bf16 kernel): the skinny GEMM over the same bf16 weights
-# (activations widened in, outputs rounded back) wins only where the weight stream is the cost:
-# 1.7x at 1 row, 1.46x at 4, level at 8 (benchmarks/linear_speed.py, native bf16 section).
-NATIVE_BF16_SKINNY_ROWS = 4
+# Native bf16 (bf16 activations; oneDNN's bf16 kernel above these rows), by benchmarks/linear_speed.py's
+# native bf16 section: the skinny GEMM's bf16 pair kernel (vdpbf16ps, csrc/skinny_gemm.cpp gemm_bf)
+# up to NATIVE_BF16_SKINNY_ROWS; where it is not compiled in (no avx512_bf16: PAGEDKV_BF16=native
+# forced), the float32 skinny GEMM over the same bf16 weights, which wins only where the weight
+# stream is the cost (1.7x at 1 row, 1.46x at 4, level at 8).
+NATIVE_BF16_SKINNY_ROWS = 64
+NATIVE_BF16_WIDENING_ROWS = 4
 _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
@@ -75,8 +78,10 @@ class Linear:
         native_bf16 = self.device.type == "cpu" and self.compute_dtype == self.dtype == torch.bfloat16
         k = (skinny_gemm.kernel() if self.device.type == "cpu" and (self.compute_dtype == torch.float32 or native_bf16)
              else None)
+        self.pairs = False       # native bf16: the skinny layout is gemm_bf's bf16 pairs [nb, in/2, 16, 2]
         if native_bf16:
-            self.skinny_rows = NATIVE_BF16_SKINNY_ROWS
+            self.pairs = k is not None and k.bf16_dot() and self.in_features % 2 == 0
+            self.skinny_rows = NATIVE_BF16_SKINNY_ROWS if self.pairs else NATIVE_BF16_WIDENING_ROWS
         if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
             if self.quant is not None and not _agrees(self._skinny(x, 0, None, 0), ref, torch.float32):
@@ -85,11 +90,10 @@ class Linear:
                 self.skinny_rows = QUANT_MAX_ROWS
         if k is not None and self.quant is None:
             try:
-                packed = k.pack(weight.contiguous())
-                got = k.gemm(x.float(), packed, self.out_features, None if self.bias is None else self.bias.float(),
-                             0, None, 0)
-                if _agrees(got, ref, self.compute_dtype):
-                    self.skinny = packed
+                packed = (k.pack_pairs if self.pairs else k.pack)(weight.contiguous())
+                self.skinny = packed
+                if not _agrees(self._skinny(x, 0, None, 0), ref, self.compute_dtype):
+                    self.skinny = None
             except RuntimeError:
                 pass
         if not widened and _onednn_usable(weight):
@@ -133,6 +137,8 @@ class Linear:
         if self.quant is not None:
             fmt = {v: n for n, v in quant_layout.FORMATS.items()}[self.quant[1]]
             return f"skinny[{fmt}]+" + ("onednn" if self.packed is not None else "torch")
+        if self.skinny is not None and self.pairs:
+            return "skinny[bf16 pairs]+" + ("onednn" if self.packed is not None else "torch")
         if self.skinny is not None:
             return "skinny+onednn" if self.packed is not None or self.weight is None else "skinny+torch"
         return "onednn" if self.packed is not None else "torch"
@@ -141,6 +147,8 @@ class Linear:
         """The [out, in] weight in its stored dtype, whichever layouts hold it."""
         if self.weight is not None:
             return self.weight
+        if self.skinny is not None and self.pairs:
+            return self.skinny.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features].contiguous()
         if self.skinny is not None:
             return skinny_gemm.kernel().unpack_float(self.skinny, self.out_features).to(self.dtype)
         if self.quant is not None:
@@ -150,14 +158,23 @@ class Linear:
 
     # ---- the three ways to run it -------------------------------------------------------
     def _skinny(self, x: torch.Tensor, act: int, other: torch.Tensor | None, op: int) -> torch.Tensor:
-        # float32 in and out; native bf16 widens its activations (exact) and rounds the result once
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+        if self.pairs:                                           # native bf16: bf16 in and out, fp32 sums
+            x = x.to(torch.bfloat16)
+            if x.stride(-1) != 1 or x.stride(0) % 2:
+                x = x.contiguous()
+            if other is not None:
+                other = other.to(torch.bfloat16)
+                other = other if other.stride(-1) == 1 else other.contiguous()
+            return skinny_gemm.kernel().gemm_bf(x, self.skinny, self.out_features, bias, act, other, op)
+        # float32 in and out; native bf16 without the pair kernel widens its activations (exact)
+        # and rounds the result once
         x = x.float() if x.dtype != torch.float32 else x        # a caller's narrower copy (probes)
         if x.stride(-1) != 1:
             x = x.contiguous()
         if other is not None:
             other = other.float() if other.dtype != torch.float32 else other
             other = other if other.stride(-1) == 1 else other.contiguous()
-        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
         if self.quant is not None:
             return skinny_gemm.kernel().gemm_q(x, self.quant[0], self.out_features, self.quant[1], bias,
                                                act, other, op)

@@ -358,6 +358,91 @@ void run_q(const float* x, int64_t ldx, int64_t M, const uint8_t* wq, int64_t K,
 #endif
 }
 
+
+// ---- native bf16 (avx512_bf16): bf16 activations times bf16 weights, float32 accumulate ----------
+// vdpbf16ps multiplies 16 pairs of bf16 and adds both products to 16 float32 sums: 32 products a
+// uop where an fp32 FMA does 16. Layout (pack_pairs()): per block of 16 output columns, per pair
+// of inputs (k, k+1), the 16 columns' two weights side by side, Wd[nb][K/2][16][2]: one 64-byte
+// load. A row's inputs k, k+1 are adjacent bf16 in x, so one 32-bit broadcast feeds a pair.
+// The products of two bf16 are exact in float32; only the order of the float32 sums differs
+// from oneDNN's bf16 kernel. The epilogue runs in float32 and rounds to bf16 once.
+#if defined(__AVX512BF16__)
+constexpr int MR_BF = 8;
+
+inline __m512 widen_bf16(__mmask16 mask, const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+template <int R, int BLOCKS>
+inline void tile_bf(const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1, int64_t K2, uint16_t* y,
+                    int64_t ldy, int64_t n0, int64_t N, const float* bias, int64_t act, const uint16_t* other,
+                    int64_t ldo, int64_t bin) {
+  __m512 a0[R], a1[R];
+  for (int m = 0; m < R; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  const int64_t ldp = ldx / 2;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 2 * NB);
+    const __m512bh b1 = BLOCKS == 2 ? (__m512bh)_mm512_loadu_si512(w1 + kp * 2 * NB) : b0;
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * ldp + kp]));
+      a0[m] = _mm512_dpbf16_ps(a0[m], xa, b0);
+      if (BLOCKS == 2) a1[m] = _mm512_dpbf16_ps(a1[m], xa, b1);
+    }
+  }
+  for (int blk = 0; blk < BLOCKS; ++blk) {
+    const int64_t n = n0 + blk * NB, left = N - n;
+    if (left <= 0) break;
+    const __mmask16 mask = tail_mask(left);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m) {
+      __m512 v = _mm512_add_ps(blk == 0 ? a0[m] : a1[m], bv);
+      if (act == ACT_SILU) v = silu512(v);
+      if (bin != BIN_NONE) {
+        const __m512 o = widen_bf16(mask, other + m * ldo + n);
+        v = bin == BIN_MUL ? _mm512_mul_ps(v, o) : _mm512_add_ps(v, o);
+      }
+      _mm256_mask_storeu_epi16(y + m * ldy + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+template <int BLOCKS>
+inline void rows_tile_bf(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1,
+                         int64_t K2, uint16_t* y, int64_t ldy, int64_t n0, int64_t N, const float* bias, int64_t act,
+                         const uint16_t* other, int64_t ldo, int64_t bin) {
+  switch (r) {
+#define PAGEDKV_TILE_BF(RR) \
+  case RR: tile_bf<RR, BLOCKS>(x, ldx, w0, w1, K2, y, ldy, n0, N, bias, act, other, ldo, bin); break;
+    PAGEDKV_TILE_BF(1) PAGEDKV_TILE_BF(2) PAGEDKV_TILE_BF(3) PAGEDKV_TILE_BF(4) PAGEDKV_TILE_BF(5)
+    PAGEDKV_TILE_BF(6) PAGEDKV_TILE_BF(7) PAGEDKV_TILE_BF(8)
+#undef PAGEDKV_TILE_BF
+    default: break;
+  }
+}
+
+void run_bf(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wd, int64_t K, int64_t N, uint16_t* y,
+            int64_t ldy, const float* bias, int64_t act, const uint16_t* other, int64_t ldo, int64_t bin) {
+  const int64_t blocks = (N + NB - 1) / NB, pairs = (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b0 = 2 * p;
+      const bool two = b0 + 1 < blocks;
+      const uint16_t* w0 = wd + b0 * K * NB;
+      const uint16_t* w1 = two ? w0 + K * NB : w0;
+      for (int64_t m0 = 0; m0 < M; m0 += MR_BF) {
+        const int64_t r = std::min<int64_t>(MR_BF, M - m0);
+        const uint16_t* oo = other ? other + m0 * ldo : nullptr;
+        if (two)
+          rows_tile_bf<2>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin);
+        else
+          rows_tile_bf<1>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin);
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
 }  // namespace
 
 // W [N, K] (float32 or bfloat16) -> Wp [ceil(N / 16), K, 16], zero-padded past N.
@@ -477,6 +562,62 @@ torch::Tensor unpack_q(const torch::Tensor& wq, int64_t K, int64_t N, int64_t fm
   return unpack_float(wp, N);
 }
 
+// W [N, K] bfloat16 -> Wd [ceil(N / 16), K / 2, 16, 2] (gemm_bf's layout), zero-padded past N.
+torch::Tensor pack_pairs(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0,
+              "skinny_gemm.pack_pairs: W must be [N, K] bfloat16 with K even");
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
+  auto padded = torch::zeros({blocks * NB, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({blocks, NB, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+bool bf16_dot() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = epilogue(x @ W^T + b) in native bf16: x [M, K] and `other` bfloat16, bias float32, y bfloat16.
+torch::Tensor gemm_bf(const torch::Tensor& x, const torch::Tensor& wd, int64_t N, const c10::optional<torch::Tensor>& bias,
+                      int64_t act, const c10::optional<torch::Tensor>& other, int64_t bin) {
+  TORCH_CHECK(bf16_dot(), "skinny_gemm.gemm_bf: built without avx512_bf16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0,
+              "skinny_gemm.gemm_bf: x must be bfloat16 [M, K] with contiguous rows at even strides");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(wd.dim() == 4 && wd.scalar_type() == torch::kBFloat16 && wd.is_contiguous() && wd.size(1) * 2 == K &&
+                  wd.size(2) == NB && wd.size(3) == 2 && wd.size(0) * NB >= N && (wd.size(0) - 1) * NB < N,
+              "skinny_gemm.gemm_bf: Wd does not fit x [", M, ", ", K, "] and N = ", N);
+  TORCH_CHECK(act == ACT_NONE || act == ACT_SILU, "skinny_gemm: act must be 0 (none) or 1 (silu)");
+  TORCH_CHECK(bin == BIN_NONE || ((bin == BIN_MUL || bin == BIN_ADD) && other.has_value()),
+              "skinny_gemm: bin must be 0, or 1 / 2 with `other`");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "skinny_gemm.gemm_bf: bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const uint16_t* o = nullptr;
+  int64_t ldo = 0;
+  if (bin != BIN_NONE) {
+    TORCH_CHECK(other->scalar_type() == torch::kBFloat16 && other->dim() == 2 && other->size(0) == M &&
+                    other->size(1) == N && other->stride(1) == 1,
+                "skinny_gemm.gemm_bf: other must be bfloat16 [M, N] with contiguous rows");
+    o = reinterpret_cast<const uint16_t*>(other->data_ptr<c10::BFloat16>());
+    ldo = other->stride(0);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#if defined(__AVX512BF16__)
+  run_bf(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0), M,
+         reinterpret_cast<const uint16_t*>(wd.data_ptr<c10::BFloat16>()), K, N,
+         reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), N, b, act, o, ldo, bin);
+#endif
+  return y;
+}
+
 bool vectorised() {
 #if defined(__AVX512F__)
   return true;
@@ -494,4 +635,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("unpack_q", &unpack_q, "Wq -> W [N, K] float32, by the kernel's widening");
   m.def("vectorised", &vectorised, "whether the AVX-512 microkernel was compiled in");
+  m.def("pack_pairs", &pack_pairs, "W [N, K] bf16 -> Wd [ceil(N/16), K/2, 16, 2] (gemm_bf's layout)");
+  m.def("gemm_bf", &gemm_bf, "y = epilogue(x @ W^T + b) in native bf16 (vdpbf16ps, float32 sums)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot", &bf16_dot, "whether the avx512_bf16 kernel (gemm_bf) was compiled in");
 }
