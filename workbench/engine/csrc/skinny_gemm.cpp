@@ -367,7 +367,7 @@ void run_q(const float* x, int64_t ldx, int64_t M, const uint8_t* wq, int64_t K,
 // The products of two bf16 are exact in float32; only the order of the float32 sums differs
 // from oneDNN's bf16 kernel. The epilogue runs in float32 and rounds to bf16 once.
 #if defined(__AVX512BF16__)
-constexpr int MR_BF = 8;
+constexpr int MR_BF = 12;
 
 inline __m512 widen_bf16(__mmask16 mask, const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
@@ -415,7 +415,8 @@ inline void rows_tile_bf(int64_t r, const uint16_t* x, int64_t ldx, const uint16
 #define PAGEDKV_TILE_BF(RR) \
   case RR: tile_bf<RR, BLOCKS>(x, ldx, w0, w1, K2, y, ldy, n0, N, bias, act, other, ldo, bin); break;
     PAGEDKV_TILE_BF(1) PAGEDKV_TILE_BF(2) PAGEDKV_TILE_BF(3) PAGEDKV_TILE_BF(4) PAGEDKV_TILE_BF(5)
-    PAGEDKV_TILE_BF(6) PAGEDKV_TILE_BF(7) PAGEDKV_TILE_BF(8)
+    PAGEDKV_TILE_BF(6) PAGEDKV_TILE_BF(7) PAGEDKV_TILE_BF(8) PAGEDKV_TILE_BF(9) PAGEDKV_TILE_BF(10)
+    PAGEDKV_TILE_BF(11) PAGEDKV_TILE_BF(12)
 #undef PAGEDKV_TILE_BF
     default: break;
   }
