@@ -268,6 +268,10 @@ def test_doctor_subprocess(tmp_path):
     from workbench.engine import cpu_bf16
     bf16_line = out.split("bf16 path:", 1)[1].splitlines()[0]
     assert bf16_line.strip().startswith(cpu_bf16.mode())          # which bf16 path, and why
+    if cpu_bf16.mode() == "native":                               # and which kernel runs decode-sized linears
+        from workbench.engine import skinny_gemm
+        k = skinny_gemm.kernel()
+        assert ("bf16 pair kernel (vdpbf16ps)" in bf16_line) == bool(k is not None and k.bf16_dot()), bf16_line
 
     # second run reads the cache; --no-cache measures again
     again = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)
