@@ -255,19 +255,19 @@ def test_a_slow_host_is_not_an_engine_regression(sharp_llama_dir, cache, monkeyp
             return ref_gbs * frac
         return control
 
-    def slow_engine_run():             # the engine at ~1/4 of its baseline (a real slowdown)
-        eng.attn.decode = wasteful_decode(eng, cpu_s=0.002)
+    def slow_engine_run():             # the engine at ~1/10-1/20 of its baseline (a real slowdown)
+        eng.attn.decode = wasteful_decode(eng, cpu_s=0.003)
         try:
             wb.run(PROMPTS, GREEDY)
         finally:
             del eng.attn.decode
 
-    # The steps ran at ~1/4 of their baseline (wasteful decode) on a host at 1/10 of its speed.
-    monkeypatch.setattr(p, "_control_gbs", host_at(0.1))
+    # The steps ran at ~1/10-1/20 of their baseline (wasteful decode) on a host at 1/50 of its speed.
+    monkeypatch.setattr(p, "_control_gbs", host_at(0.02))
     slow_engine_run()
     assert calls and loud(wb) == []
     (f,) = [f for f in wb.all_findings() if f.kind == "host-slow"]
-    assert f.severity == "info" and f.evidence["control_share"] == pytest.approx(0.1)
+    assert f.severity == "info" and f.evidence["control_share"] == pytest.approx(0.02)
     assert f.evidence["median_vs_baseline"] < 0.5 and "not a regression of the engine" in f.message
     # The same slow engine on a host at 95% of its speed: the engine's regression, as before.
     wb.reset()
@@ -277,6 +277,9 @@ def test_a_slow_host_is_not_an_engine_regression(sharp_llama_dir, cache, monkeyp
     (w,) = wb.findings_at_least("warn")
     assert calls and w.kind == "low-bandwidth-decode"
     assert w.evidence["control_share"] == pytest.approx(0.95) and w.evidence["median_vs_baseline"] < 0.5
+    # A regression that lasts times the control once per window of steps, not every step.
+    judged = int(p.frame()["judged"].sum())
+    assert judged >= 2 * 8 and 1 <= len(calls) <= judged // 8 + 1
     assert not [f for f in wb.all_findings() if f.kind == "host-slow"]
     wb.detach()
 

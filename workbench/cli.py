@@ -113,13 +113,17 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
                                     if "bfloat16" in report["dtypes"] else None)
     report["bf16_path"] = cpu_bf16.describe(dev)
     k = skinny_gemm.kernel()
-    report["bf16_pair_kernel"] = bool(k is not None and k.bf16_dot())
+    report["bf16_pair_kernel"] = bool(k is not None and k.bf16_dot() and cpu_bf16.hardware_native())
     if dev.type == "cpu" and cpu_bf16.mode(dev) == "native":
         from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS
-        report["bf16_path"] += ("; decode-sized linears (<= %d rows): the skinny GEMM's bf16 pair kernel (vdpbf16ps)"
-                                % NATIVE_BF16_SKINNY_ROWS if report["bf16_pair_kernel"] else
-                                "; the bf16 pair kernel is not compiled in (no avx512_bf16 at build): the float32 "
-                                "skinny GEMM over the bf16 weights up to %d rows" % NATIVE_BF16_WIDENING_ROWS)
+        if k is None:
+            report["bf16_path"] += "; decode-sized linears: oneDNN's bf16 kernel (no skinny GEMM)"
+        elif report["bf16_pair_kernel"]:
+            report["bf16_path"] += ("; decode-sized linears (<= %d rows): the skinny GEMM's bf16 pair kernel "
+                                    "(vdpbf16ps)" % NATIVE_BF16_SKINNY_ROWS)
+        else:
+            report["bf16_path"] += ("; no bf16 pair kernel (no avx512_bf16 in this build or CPU): the float32 "
+                                    "skinny GEMM over the bf16 weights up to %d rows" % NATIVE_BF16_WIDENING_ROWS)
     report["npu"] = dev_mod.npu_info()
     report["npu_backend"] = _npu_backend() if report["npu"] is not None else None
     return report

@@ -44,6 +44,11 @@ def _hardware() -> tuple[bool, str]:
     return False, "the CPU has neither avx512_bf16 nor AMX, so bf16 GEMMs would be emulated (~4.5x slower than fp32)"
 
 
+def hardware_native() -> bool:
+    """Whether this CPU has native bf16 GEMMs (avx512_bf16 or AMX), whatever PAGEDKV_BF16 says."""
+    return _hardware()[0]
+
+
 def mode(device: torch.device | str = "cpu") -> str:
     """'native' or 'storage' for bfloat16 on this device (non-CPU devices: always native)."""
     if torch.device(device).type != "cpu":

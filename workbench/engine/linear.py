@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import quant_layout, skinny_gemm
+from . import cpu_bf16, quant_layout, skinny_gemm
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
@@ -80,7 +80,10 @@ class Linear:
              else None)
         self.pairs = False       # native bf16: the skinny layout is gemm_bf's bf16 pairs [nb, in/2, 16, 2]
         if native_bf16:
-            self.pairs = k is not None and k.bf16_dot() and self.in_features % 2 == 0
+            # the build has the instructions (-march=native) and so does this CPU (a cached build can be
+            # another host's, or PAGEDKV_BF16=native forced on a CPU without avx512_bf16)
+            self.pairs = (k is not None and k.bf16_dot() and cpu_bf16.hardware_native()
+                          and self.in_features % 2 == 0)
             self.skinny_rows = NATIVE_BF16_SKINNY_ROWS if self.pairs else NATIVE_BF16_WIDENING_ROWS
         if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
@@ -95,7 +98,7 @@ class Linear:
                 if not _agrees(self._skinny(x, 0, None, 0), ref, self.compute_dtype):
                     self.skinny = None
             except RuntimeError:
-                pass
+                self.skinny = None                              # oneDNN / F.linear at every size
         if not widened and _onednn_usable(weight):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
