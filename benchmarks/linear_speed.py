@@ -10,9 +10,10 @@ weights as a GGUF file holds them (Q4_1, quantized by gguf-py) through the skinn
 quantized path (engine/quant_layout.py, float32 products), against the float32 skinny GEMM
 and oneDNN: the rows where it wins are the ones engine/linear.py gives it (QUANT_MAX_ROWS).
 On a CPU with native bf16 GEMMs (avx512_bf16 or AMX) a last section runs bf16 activations the
-way the native bf16 path does: oneDNN's bf16 kernel against the skinny GEMM over the same bf16
-weights (activations widened in, outputs rounded back, both counted): the rows where the skinny
-GEMM wins are the ones engine/linear.py gives it in native bf16 (NATIVE_BF16_SKINNY_ROWS).
+way the native bf16 path does: oneDNN's bf16 kernel against the skinny GEMM's bf16 pair kernel and
+the float32 skinny GEMM over the same bf16 weights (activations widened in, outputs rounded back,
+both counted): the rows where they win are the ones engine/linear.py gives them in native bf16
+(NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS).
 
     .venv/bin/python benchmarks/linear_speed.py [--rows 1,8,16,24,32,48,64,96]
 """
@@ -71,14 +72,14 @@ def main(argv=None):
                   f"oneDNN fp32 {t_dn * 1e3:7.2f} ms ({fp32_bytes / t_dn / 1e9:5.1f})   "
                   f"F.linear fp32 {t_fl * 1e3:7.2f} ms   oneDNN / skinny = {t_dn / t_sk:.2f}x")
     quant_section(k, fp32, onednn, dense[torch.float32], a.rows, g)
-    if cpu_bf16._hardware()[0]:
+    if cpu_bf16.hardware_native():
         native_bf16_section(k, fp32, dense[torch.bfloat16], a.rows, g)
 
 
 def native_bf16_section(k, fp32, skinny, rows_arg, g):
     bf = torch.bfloat16
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w.to(bf), 16) for w in ws] for ws in fp32]
-    pairs = [[k.pack_pairs(w.to(bf)) for w in ws] for ws in fp32] if k.bf16_dot() else None
+    pairs = [[k.pack_pairs(w.to(bf)) for w in ws] for ws in fp32] if skinny_gemm.bf16_pairs() else None
     print("== native bf16: bf16 activations, bf16 weights: the skinny GEMM's bf16 pair kernel (vdpbf16ps), "
           "the float32 skinny GEMM over the same weights (activations widened, outputs rounded), oneDNN's bf16 kernel")
     for rows in map(int, rows_arg.split(",")):

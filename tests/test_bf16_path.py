@@ -91,7 +91,7 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
     eng = bf16_engine(bf16_model, "native", monkeypatch)
     assert eng.model.dtype == torch.bfloat16 and eng.kv.k[0].dtype == torch.bfloat16
     # emulated bf16 GEMMs (no avx512_bf16 / AMX) are slow: 4 chats, not 8
-    check_within_tolerance(eng, fp32, n=len(CHATS) if cpu_bf16._hardware()[0] else 4)
+    check_within_tolerance(eng, fp32, n=len(CHATS) if cpu_bf16.hardware_native() else 4)
     plan = eng.last_batch.attn_plan
     assert plan.decode and isinstance(plan.decode[0], NativeDecode)
     # attention in float32 between the bf16 GEMMs: the compiled prefill kernel too
@@ -104,7 +104,7 @@ def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(
     """Decode-sized inputs run the skinny GEMM: the bf16 pair kernel (vdpbf16ps) where it is compiled
     in, else the float32 one over the same bf16 weights; larger inputs oneDNN's bf16 GEMM."""
     eng = bf16_engine(bf16_model, "native", monkeypatch)
-    pairs = skinny_gemm.kernel().bf16_dot() and cpu_bf16.hardware_native()
+    pairs = skinny_gemm.bf16_pairs()
     for lin in (eng.model.layers[0].gate, eng.model.layers[0].down, eng.model.layers[0].qkv):
         assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.packed is not None
         assert lin.pairs == pairs

@@ -43,8 +43,8 @@ def test_skinny_gemm_matches_linear_with_every_epilogue(kernel, dtype, n, k):
 def test_bf16_pair_kernel_matches_float64_on_the_same_bf16_values(kernel, n, k):
     """gemm_bf (native bf16: vdpbf16ps, float32 sums, one rounding to bf16 at the end) against
     float64 over the same bf16 activations, weights and `other`."""
-    from workbench.engine import cpu_bf16
-    if not (kernel.bf16_dot() and cpu_bf16.hardware_native()):
+    from workbench.engine import skinny_gemm
+    if not skinny_gemm.bf16_pairs():
         pytest.skip("no avx512_bf16 in this build or CPU (the pair kernel is compiled out or unusable)")
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)

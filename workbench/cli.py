@@ -113,7 +113,7 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
                                     if "bfloat16" in report["dtypes"] else None)
     report["bf16_path"] = cpu_bf16.describe(dev)
     k = skinny_gemm.kernel()
-    report["bf16_pair_kernel"] = bool(k is not None and k.bf16_dot() and cpu_bf16.hardware_native())
+    report["bf16_pair_kernel"] = skinny_gemm.bf16_pairs()
     if dev.type == "cpu" and cpu_bf16.mode(dev) == "native":
         from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS
         if k is None:

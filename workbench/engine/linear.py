@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import cpu_bf16, quant_layout, skinny_gemm
+from . import quant_layout, skinny_gemm
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
@@ -67,6 +67,7 @@ class Linear:
             raise ValueError(f"Linear: {self.dtype} weights compute in their dtype or float32, "
                              f"not {self.compute_dtype}")
         self.bias = None if bias is None else bias.to(self.compute_dtype)
+        self._bias32 = None if bias is None else self.bias.float()   # what the skinny GEMM takes
         self.packed = None       # oneDNN's prepacked layout (weights in the compute dtype)
         self.skinny = None       # the skinny GEMM's layout [ceil(out/16), in, 16] (float32 compute)
         self.quant = None        # or the file's blocks in it: (Wq uint8, format), quant_layout.py
@@ -80,10 +81,7 @@ class Linear:
              else None)
         self.pairs = False       # native bf16: the skinny layout is gemm_bf's bf16 pairs [nb, in/2, 16, 2]
         if native_bf16:
-            # the build has the instructions (-march=native) and so does this CPU (a cached build can be
-            # another host's, or PAGEDKV_BF16=native forced on a CPU without avx512_bf16)
-            self.pairs = (k is not None and k.bf16_dot() and cpu_bf16.hardware_native()
-                          and self.in_features % 2 == 0)
+            self.pairs = skinny_gemm.bf16_pairs() and self.in_features % 2 == 0
             self.skinny_rows = NATIVE_BF16_SKINNY_ROWS if self.pairs else NATIVE_BF16_WIDENING_ROWS
         if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
@@ -161,7 +159,7 @@ class Linear:
 
     # ---- the three ways to run it -------------------------------------------------------
     def _skinny(self, x: torch.Tensor, act: int, other: torch.Tensor | None, op: int) -> torch.Tensor:
-        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+        bias = self._bias32
         if self.pairs:                                           # native bf16: bf16 in and out, fp32 sums
             x = x.to(torch.bfloat16)
             if x.stride(-1) != 1 or x.stride(0) % 2:

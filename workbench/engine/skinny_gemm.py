@@ -10,6 +10,7 @@ import os
 import threading
 from pathlib import Path
 
+from . import cpu_bf16
 from .attention.native import compile_extension
 
 SOURCE = Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
@@ -31,6 +32,14 @@ def kernel():
                 _state["module"], _state["why"] = compile_extension("pagedkv_skinny_gemm", [SOURCE],
                                                                     "compiled skinny GEMM")
         return _state["module"]
+
+
+def bf16_pairs() -> bool:
+    """Whether native bf16 can run the bf16 pair kernel (gemm_bf): the build has avx512_bf16
+    (-march=native) and so does this CPU (a cached build can be another host's, or PAGEDKV_BF16=native
+    forced on a CPU without it)."""
+    k = kernel()
+    return bool(k is not None and k.bf16_dot() and cpu_bf16.hardware_native())
 
 
 def unavailable_reason() -> str | None:
