@@ -38,7 +38,7 @@ def test_blocks_widen_to_the_loaders_weights_and_multiply_like_them(kernel, qtyp
     dense = kernel.pack(w)
     g = torch.Generator().manual_seed(n + k)
     bias = torch.randn(n, generator=g)
-    for m in (1, 3, 8, 9, 24, 50, QUANT_MAX_ROWS):        # the in-register tile, the chunked one, tails
+    for m in (1, 3, 8, 9, 12, 16, 24, 50, QUANT_MAX_ROWS):   # the in-register tile, the buffered ones, tails
         x = torch.randn(m, k, generator=g)
         other = torch.randn(m, n, generator=g)
         ref = F.linear(x.double(), w.double(), bias.double())
