@@ -52,7 +52,7 @@ def test_bf16_pair_kernel_matches_float64_on_the_same_bf16_values(kernel, n, k):
     wd = kernel.pack_pairs(w)
     assert wd.shape == (-(-n // 16), k // 2, 16, 2)
     assert torch.equal(wd.permute(0, 2, 1, 3).reshape(-1, k)[:n], w)       # the layout round-trips
-    for m in (1, 5, 11, 12, 13, 25, 65):                                   # tiles of 12, their tails
+    for m in (1, 5, 11, 12, 13, 16, 24, 25, 65):                           # even tiles of <= 12, their tails
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         other = torch.randn(m, n, generator=g).to(torch.bfloat16)
         ref = F.linear(x.double(), w.double(), b.double())

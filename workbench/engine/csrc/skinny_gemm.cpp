@@ -388,12 +388,17 @@ inline __m512 widen_bf16(__mmask16 mask, const uint16_t* p) {
 template <int R, int BLOCKS>
 inline void tile_bf(const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1, int64_t K2, uint16_t* y,
                     int64_t ldy, int64_t n0, int64_t N, const float* bias, int64_t act, const uint16_t* other,
-                    int64_t ldo, int64_t bin) {
+                    int64_t ldo, int64_t bin, Prefetch pf) {
   __m512 a0[R], a1[R];
   for (int m = 0; m < R; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   const int64_t ldp = ldx / 2;
+  const char* line = pf.base ? pf.base + pf.first * 64 : nullptr;
+  int64_t credit = 0;
   for (int64_t kp = 0; kp < K2; ++kp) {
+    if (line) {
+      for (credit += pf.count; credit >= K2; credit -= K2, line += 64) _mm_prefetch(line, _MM_HINT_T1);
+    }
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 2 * NB);
     const __m512bh b1 = BLOCKS == 2 ? (__m512bh)_mm512_loadu_si512(w1 + kp * 2 * NB) : b0;
     for (int m = 0; m < R; ++m) {
@@ -422,10 +427,10 @@ inline void tile_bf(const uint16_t* x, int64_t ldx, const uint16_t* w0, const ui
 template <int BLOCKS>
 inline void rows_tile_bf(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1,
                          int64_t K2, uint16_t* y, int64_t ldy, int64_t n0, int64_t N, const float* bias, int64_t act,
-                         const uint16_t* other, int64_t ldo, int64_t bin) {
+                         const uint16_t* other, int64_t ldo, int64_t bin, Prefetch pf) {
   switch (r) {
 #define PAGEDKV_TILE_BF(RR) \
-  case RR: tile_bf<RR, BLOCKS>(x, ldx, w0, w1, K2, y, ldy, n0, N, bias, act, other, ldo, bin); break;
+  case RR: tile_bf<RR, BLOCKS>(x, ldx, w0, w1, K2, y, ldy, n0, N, bias, act, other, ldo, bin, pf); break;
     PAGEDKV_TILE_BF(1) PAGEDKV_TILE_BF(2) PAGEDKV_TILE_BF(3) PAGEDKV_TILE_BF(4) PAGEDKV_TILE_BF(5)
     PAGEDKV_TILE_BF(6) PAGEDKV_TILE_BF(7) PAGEDKV_TILE_BF(8) PAGEDKV_TILE_BF(9) PAGEDKV_TILE_BF(10)
     PAGEDKV_TILE_BF(11) PAGEDKV_TILE_BF(12)
@@ -437,19 +442,27 @@ inline void rows_tile_bf(int64_t r, const uint16_t* x, int64_t ldx, const uint16
 void run_bf(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wd, int64_t K, int64_t N, uint16_t* y,
             int64_t ldy, const float* bias, int64_t act, const uint16_t* other, int64_t ldo, int64_t bin) {
   const int64_t blocks = (N + NB - 1) / NB, pairs = (blocks + 1) / 2;
+  // Row tiles as even as M allows (16 rows: 8 + 8, not 12 + 4).
+  const int64_t tiles = (M + MR_BF - 1) / MR_BF, per = (M + tiles - 1) / tiles;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b0 = 2 * p;
       const bool two = b0 + 1 < blocks;
       const uint16_t* w0 = wd + b0 * K * NB;
       const uint16_t* w1 = two ? w0 + K * NB : w0;
-      for (int64_t m0 = 0; m0 < M; m0 += MR_BF) {
-        const int64_t r = std::min<int64_t>(MR_BF, M - m0);
+      // The next pair of this thread, as cache lines shared out over this pair's tiles (as in run).
+      const int64_t nb_next = std::min<int64_t>(2, blocks - (b0 + 2));
+      const int64_t lines = p + 1 < p1 ? nb_next * K * NB * 2 / 64 : 0;
+      for (int64_t m0 = 0, t = 0; m0 < M; m0 += per, ++t) {
+        const int64_t r = std::min<int64_t>(per, M - m0);
         const uint16_t* oo = other ? other + m0 * ldo : nullptr;
+        Prefetch pf;
+        if (lines > 0)
+          pf = {reinterpret_cast<const char*>(w0 + 2 * K * NB), t * lines / tiles, (t + 1) * lines / tiles - t * lines / tiles};
         if (two)
-          rows_tile_bf<2>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin);
+          rows_tile_bf<2>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
         else
-          rows_tile_bf<1>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin);
+          rows_tile_bf<1>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
       }
     }
   });
