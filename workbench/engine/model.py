@@ -23,10 +23,10 @@ from .quant_layout import QuantBlocks
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.dim() == 2
             and native.kernel() is not None):
-        # one pass, no OpenMP fork at decode sizes; native bf16 is widened, normed in float32 and
-        # rounded once (torch's bf16 formula below makes 6 passes, ~10x the time at prefill sizes,
-        # and rounds twice). float() and to() return float32 inputs as they are.
-        return native.kernel().rms_norm(x.float(), w.float(), eps).to(x.dtype)
+        # one pass, no OpenMP fork at decode sizes; native bf16 rows are widened, normed in float32
+        # and rounded once, in the same pass (torch's bf16 formula below makes 6 passes, ~10x the
+        # time at prefill sizes, and rounds twice). float() returns a float32 weight as it is.
+        return native.kernel().rms_norm(x if x.stride(-1) == 1 else x.contiguous(), w.float(), eps)
     if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()

@@ -426,28 +426,42 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
 // is ~2 us. These run rows serially below 64 rows and in parallel above.
 
 // y = w * x / sqrt(mean(x^2) + eps), x [R, H] with a contiguous last dim.
+template <typename T>
+void rms_norm_rows(const T* xp, int64_t xs, const float* wp, T* yp, int64_t rows, int64_t hdim, float e) {
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
+    for (int64_t r = b; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hdim; ++i) ss += pagedkv::to_float(xr[i]) * pagedkv::to_float(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
+      T* yr = yp + r * hdim;
+      if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+        for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
+      } else {
+        for (int64_t i = 0; i < hdim; ++i) yr[i] = T(wp[i] * (pagedkv::to_float(xr[i]) * inv));   // rounded once
+      }
+    }
+  });
+}
+
+// float32 rows, or bfloat16 ones widened, normed in float32 and rounded once (native bf16: one
+// pass where x.float(), the norm and .to(bf16) were three); w float32, y in x's dtype.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm: float32 only");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                  w.scalar_type() == torch::kFloat,
+              "rms_norm: float32 or bfloat16 rows and a float32 weight only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1),
               "rms_norm: x [R, H] (contiguous rows), w [H]");
   const int64_t rows = x.size(0), hdim = x.size(1), xs = x.stride(0);
   auto y = torch::empty({rows, hdim}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
-    for (int64_t r = b; r < end; ++r) {
-      const float* xr = xp + r * xs;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < hdim; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
-      float* yr = yp + r * hdim;
-#pragma omp simd
-      for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
-    }
-  });
+  if (x.scalar_type() == torch::kFloat)
+    rms_norm_rows<float>(x.data_ptr<float>(), xs, w.data_ptr<float>(), y.data_ptr<float>(), rows, hdim, e);
+  else
+    rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), xs, w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(),
+                                 rows, hdim, e);
   return y;
 }
 
@@ -570,7 +584,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("absmax", &absmax, "max |x| over a tensor, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32, CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16, CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v, float32 / bf16 cache, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
