@@ -108,6 +108,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
                              else f"unavailable: {skinny_gemm.unavailable_reason()}")
     from workbench.engine import quant_layout
     report["quant_layout"] = quant_layout.describe(skinny_gemm.kernel() is not None)
+    from workbench.engine import hugepages
+    report["memory_pages"] = hugepages.describe()
     # bf16 separately: on a CPU without avx512_bf16 / AMX it is emulated, and the rate says so.
     report["matmul_gflops_bf16"] = (dev_mod.measure_matmul_gflops(dev, dtype=torch.bfloat16, repeats=2)
                                     if "bfloat16" in report["dtypes"] else None)
@@ -241,6 +243,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
          else f"{report['matmul_gflops_bf16']:.1f} GFLOP/s (bfloat16, measured now)"),
         ("bf16 path", report["bf16_path"]),
         ("memory", mem_line),
+        ("memory pages", report["memory_pages"]),
         ("peaks cache", report["peaks_cache_file"]),
         ("default model", model_line),
         ("attention", f"{report['attention_backend']} backend; compiled CPU decode kernel "

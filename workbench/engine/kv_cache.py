@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import hugepages
 from .kv_scale import attach_scale
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,8 +23,9 @@ class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, scaled: bool = False):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # On a CPU in 2 MiB pages (hugepages.py): decode reads pages scattered through the pool.
+        self.k = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.dtype = dtype
         self.num_pages, self.page_size = num_pages, page_size
         self.bytes_per_page = page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
