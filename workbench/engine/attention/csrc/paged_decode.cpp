@@ -426,22 +426,44 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
 // is ~2 us. These run rows serially below 64 rows and in parallel above.
 
 // y = w * x / sqrt(mean(x^2) + eps), x [R, H] with a contiguous last dim.
-template <typename T>
-void rms_norm_rows(const T* xp, int64_t xs, const float* wp, T* yp, int64_t rows, int64_t hdim, float e) {
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
-    for (int64_t r = b; r < end; ++r) {
-      const T* xr = xp + r * xs;
-      float ss = 0.f;
+inline void rms_row(const float* xr, const float* wp, float* yr, int64_t hdim, float e) {
+  float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < hdim; ++i) ss += pagedkv::to_float(xr[i]) * pagedkv::to_float(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
-      T* yr = yp + r * hdim;
-      if constexpr (std::is_same_v<T, float>) {
+  for (int64_t i = 0; i < hdim; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
 #pragma omp simd
-        for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
-      } else {
-        for (int64_t i = 0; i < hdim; ++i) yr[i] = T(wp[i] * (pagedkv::to_float(xr[i]) * inv));   // rounded once
-      }
+  for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
+}
+
+void rms_norm_rows(const float* xp, int64_t xs, const float* wp, float* yp, int64_t rows, int64_t hdim, float e) {
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
+    for (int64_t r = b; r < end; ++r) rms_row(xp + r * xs, wp, yp + r * hdim, hdim, e);
+  });
+}
+
+// bf16 rows: each widened into a float32 row (exact), normed by the same float32 code, and
+// rounded to nearest even once, as torch's .to(bfloat16) rounds: the result of x.float(), the
+// float32 kernel and .to(bf16), in one pass. Vector conversions (a scalar c10::BFloat16 per
+// element made the pass ~10x slower at prefill sizes).
+void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BFloat16* yp, int64_t rows,
+                   int64_t hdim, float e) {
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
+    std::vector<float> xf(hdim), yf(hdim);
+    for (int64_t r = b; r < end; ++r) {
+      const c10::BFloat16* xr = xp + r * xs;
+      c10::BFloat16* yr = yp + r * hdim;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= hdim; i += 16) _mm512_storeu_ps(xf.data() + i, pagedkv::load16(xr + i));
+#endif
+      for (; i < hdim; ++i) xf[i] = static_cast<float>(xr[i]);
+      rms_row(xf.data(), wp, yf.data(), hdim, e);
+      i = 0;
+#if defined(__AVX512BF16__)
+      for (; i + 16 <= hdim; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(yf.data() + i)));
+#endif
+      for (; i < hdim; ++i) yr[i] = c10::BFloat16(yf[i]);
     }
   });
 }
@@ -458,10 +480,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   auto y = torch::empty({rows, hdim}, x.options());
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == torch::kFloat)
-    rms_norm_rows<float>(x.data_ptr<float>(), xs, w.data_ptr<float>(), y.data_ptr<float>(), rows, hdim, e);
+    rms_norm_rows(x.data_ptr<float>(), xs, w.data_ptr<float>(), y.data_ptr<float>(), rows, hdim, e);
   else
-    rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), xs, w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(),
-                                 rows, hdim, e);
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), xs, w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), rows, hdim, e);
   return y;
 }
 
