@@ -74,6 +74,12 @@ struct Prefetch {
   int64_t first = 0, count = 0; // this tile's cache lines of it
 };
 
+// Tile t of `tiles`' share of `lines` cache lines from `next` (none when lines is 0).
+inline Prefetch share(const void* next, int64_t lines, int64_t t, int64_t tiles) {
+  if (lines <= 0) return {};
+  return {static_cast<const char*>(next), t * lines / tiles, (t + 1) * lines / tiles - t * lines / tiles};
+}
+
 // One tile: rows [0, R) of x (R <= MR) against column blocks w0 (and w1 when two), then
 // the epilogue, stored into y's columns [n0, n0 + 16 * blocks) masked to N.
 template <typename T, int R, int BLOCKS>
@@ -165,9 +171,7 @@ void run(const float* x, int64_t ldx, int64_t M, const T* wp, int64_t K, int64_t
         const float* xo = x + m0 * ldx;
         float* yo = y + m0 * ldy;
         const float* oo = other ? other + m0 * ldo : nullptr;
-        Prefetch pf;
-        if (lines > 0)
-          pf = {reinterpret_cast<const char*>(w0 + 2 * K * NB), t * lines / tiles, (t + 1) * lines / tiles - t * lines / tiles};
+        const Prefetch pf = share(w0 + 2 * K * NB, lines, t, tiles);
         if (two)
           rows_tile<T, 2>(r, xo, ldx, w0, w1, K, yo, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
         else
@@ -351,8 +355,8 @@ void run_q(const float* x, int64_t ldx, int64_t M, const uint8_t* wq, int64_t K,
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b0 = 2 * c, nb = std::min<int64_t>(2, blocks - b0);
       const uint8_t* w = wq + b0 * bb;
-      Prefetch pf;   // the next pair of this thread, over this pair's k steps
-      if (c + 1 < c1) pf = {reinterpret_cast<const char*>(w + 2 * bb), 0, std::min<int64_t>(2, blocks - b0 - 2) * bb / 64};
+      // the next pair of this thread, over this pair's k steps (one tile)
+      const Prefetch pf = share(w + 2 * bb, c + 1 < c1 ? std::min<int64_t>(2, blocks - b0 - 2) * bb / 64 : 0, 0, 1);
       if (nb == 2)
         rows_tile_q<FMT, 2>(M, xt.data(), M, w, bb, K, y, ldy, b0 * NB, N, bias, act, other, ldo, bin, pf);
       else
@@ -456,9 +460,7 @@ void run_bf(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wd, int64
       for (int64_t m0 = 0, t = 0; m0 < M; m0 += per, ++t) {
         const int64_t r = std::min<int64_t>(per, M - m0);
         const uint16_t* oo = other ? other + m0 * ldo : nullptr;
-        Prefetch pf;
-        if (lines > 0)
-          pf = {reinterpret_cast<const char*>(w0 + 2 * K * NB), t * lines / tiles, (t + 1) * lines / tiles - t * lines / tiles};
+        const Prefetch pf = share(w0 + 2 * K * NB, lines, t, tiles);
         if (two)
           rows_tile_bf<2>(r, x + m0 * ldx, ldx, w0, w1, K / 2, y + m0 * ldy, ldy, b0 * NB, N, bias, act, oo, ldo, bin, pf);
         else
