@@ -19,7 +19,11 @@ never from starved CPU steps; it saves at detach. A step is judged once its buck
 the next KV bucket up or down) has min_samples clean steps: its GB/s over the bucket's
 baseline (the baseline_quantile of those samples). A finding needs the median over the
 last `window` judged steps under `threshold` (default 0.5: half of what this shape
-reached here before). Without a baseline a step is recorded as unjudged-baseline and
+reached here before), and those steps must span min_window_s of step time (default 50 ms;
+with shorter steps the window takes as many more as that needs): a hiccup of a few
+milliseconds (a burst of page faults, a neighbour's burst on the memory bus, a GC pass)
+can slow every step of a window of sub-millisecond steps, it must not outvote it. A
+production step of 10 ms or more fills the time with its 16 steps. Without a baseline a step is recorded as unjudged-baseline and
 nothing is reported. Steps with prefill are judged the same way but never above info.
 
 The measured copy peak (device.peak_figures) stays as a column (share_of_peak),
@@ -78,6 +82,7 @@ BASELINE_FILE = "baselines.json"
 BASELINE_FORMAT = "pagedkv-workbench bandwidth baselines"
 BASELINE_VERSION = 1
 HOST_SLOW_SHARE = 0.75        # a control under this share of its best: the host itself is slow
+MAX_WINDOW_STEPS = 1024       # a window of short steps grows to span min_window_s, up to this many
 
 
 def page_size_supported(ps: int, backend: str | None = None) -> bool:
@@ -304,10 +309,13 @@ class BandwidthProbe(Probe):
                  baseline_file: str | Path | None | bool = None, learn: bool = True, min_samples: int = 8,
                  baseline_quantile: float = 0.75, save_every: int = 1000,
                  peak_max_age_days: float | None = 7.0, control_nbytes: int = 8 << 20,
-                 msprof_dir: str | None = None, max_rows: int = 100_000, **params):
+                 min_window_s: float = 0.05, msprof_dir: str | None = None, max_rows: int = 100_000,
+                 **params):
         """threshold: share of the bucket's baseline under which a step is low (default 0.5);
         mixed_threshold the same for steps with prefill (default: threshold; reported as info).
-        A finding needs the median of the last `window` judged steps under it. A bucket is judged
+        A finding needs the median of the last `window` judged steps under it, steps that together
+        took at least min_window_s (more steps when they are shorter, up to MAX_WINDOW_STEPS; 0: just
+        `window`). A bucket is judged
         once it has min_samples clean steps; its baseline is their baseline_quantile.
         baseline_file: where baselines are kept (default cache_dir()/baselines.json, beside
         peaks.json; False: in memory only, for this attachment). learn: add clean steps to the
@@ -327,7 +335,7 @@ class BandwidthProbe(Probe):
                          min_cpu_share=min_cpu_share, baseline_file=baseline_file, learn=learn,
                          min_samples=min_samples, baseline_quantile=baseline_quantile, save_every=save_every,
                          peak_max_age_days=peak_max_age_days, control_nbytes=control_nbytes,
-                         msprof_dir=msprof_dir, max_rows=max_rows, **params)
+                         min_window_s=min_window_s, msprof_dir=msprof_dir, max_rows=max_rows, **params)
         self.max_rows = max_rows
         self.peak_gbs = peak_gbs
         self.peak = None                     # peak_figures' answer when the probe measured it
@@ -337,6 +345,7 @@ class BandwidthProbe(Probe):
         self.mixed_threshold = self.threshold if mixed_threshold is None else mixed_threshold
         self.min_bytes = min_bytes
         self.window = window
+        self.min_window_s = float(min_window_s)
         self.min_cpu_share = min_cpu_share
         self.baseline_file = baseline_file
         self.learn = learn
@@ -347,7 +356,9 @@ class BandwidthProbe(Probe):
         self.machine = self.model = self.model_desc = None
         self._mark = None                    # (step, process CPU s, wall s) when this step's forward began
         self.msprof_dir = msprof_dir
-        self._win = {True: deque(maxlen=window), False: deque(maxlen=window)}
+        # the judged steps a verdict may look back on: `window` of them, more when they are short
+        cap = max(window, MAX_WINDOW_STEPS)
+        self._win = {True: deque(maxlen=cap), False: deque(maxlen=cap)}
         self._checked_page_size = None
         self._peak_rechecked = False
         self.control_nbytes = int(control_nbytes)
@@ -546,24 +557,42 @@ class BandwidthProbe(Probe):
         if not judged:
             return
         win = self._win[decode_only]
-        win.append((ratio, base_bucket, rate, ent))
-        if len(win) == self.window:
-            med = median(r for r, *_ in win)
+        win.append((ratio, base_bucket, rate, ent, seconds))
+        steps = self._verdict_window(win)
+        if steps:
+            med = median(r for r, *_ in steps)
             if med < thr:
                 control = self._control_for(e.step)
                 if control is not None and control[1] < HOST_SLOW_SHARE and med / control[1] >= thr:
-                    self._report_host_slow(e, decode_only, med, thr, control)
+                    self._report_host_slow(e, decode_only, med, thr, control, steps)
                     win.clear()                 # the next verdict needs a whole new window (and control)
                     return
-                self._report_low(e, decode_only, med, thr, list(win), share, control)
+                self._report_low(e, decode_only, med, thr, steps, share, control)
+
+    def _verdict_window(self, win) -> list:
+        """The last `window` judged steps, or as many more as it takes for them to span
+        min_window_s of step time; [] while there are not that many yet."""
+        if len(win) < self.window:
+            return []
+        span, n = 0.0, 0
+        for *_, seconds in reversed(win):
+            span += seconds
+            n += 1
+            if n >= self.window and span >= self.min_window_s:
+                return list(win)[-n:]
+        return list(win) if len(win) == win.maxlen else []   # the cap: as far back as it keeps
+
+    @staticmethod
+    def _window_words(steps: list) -> str:
+        return f"median of the last {len(steps)} judged steps, {sum(x[-1] for x in steps) * 1e3:.3g} ms of steps"
 
     def _report_host_slow(self, e: StepFinished, decode_only: bool, med: float, thr: float,
-                          control: tuple[float, float]) -> None:
+                          control: tuple[float, float], steps: list) -> None:
         now, frac = control
         what = "decode-only steps" if decode_only else "steps with prefill"
         self.report(
             "info",
-            f"{what} ran at {med:.0%} of their baseline (median of the last {self.window} judged steps), but "
+            f"{what} ran at {med:.0%} of their baseline ({self._window_words(steps)}), but "
             f"the host itself was slow: a fixed {self.control_nbytes / 2**20:g} MiB copy ran at {now:.3g} GB/s, "
             f"{frac:.0%} of the {self.control_ref_gbs:.3g} GB/s it reached since attach; relative to the host "
             f"the steps were at {med / frac:.0%}, not a regression of the engine",
@@ -571,6 +600,7 @@ class BandwidthProbe(Probe):
                  "memory bandwidth, a lowered clock); the engine is judged again on the next window",
             kind="host-slow", step=e.step, dedup=("host-slow", decode_only),
             evidence={"median_vs_baseline": med, "threshold": thr, "control_gbs": now,
+                      "window_steps": len(steps), "window_s": sum(x[-1] for x in steps),
                       "control_best_gbs": self.control_ref_gbs, "control_share": frac,
                       "control_nbytes": self.control_nbytes})
 
@@ -580,7 +610,7 @@ class BandwidthProbe(Probe):
         ps = self.engine.pool.page_size
         backend = getattr(self.engine.attn, "name", type(self.engine.attn).__name__)
         bucket, _ = Counter(b for _, b, *_ in win).most_common(1)[0]
-        mine = [(g, ent) for _, b, g, ent in win if b == bucket]
+        mine = [(g, ent) for _, b, g, ent, _ in win if b == bucket]
         ent = mine[-1][1]
         gbs_med = median(g for g, _ in mine)
         base, bps, bback = ent["gbs_baseline"], ent.get("page_size"), ent.get("attention_backend")
@@ -589,7 +619,7 @@ class BandwidthProbe(Probe):
                 if self.peak_gbs and not math.isnan(share) else "")
         per = " (bytes per CPU-second the step got)" if self.engine.device.type == "cpu" else ""
         msg = (f"{what} ran at {med:.0%} of what this engine reached on this machine for the same batch shape "
-               f"(median of the last {self.window} judged steps; threshold {thr:.0%}): {bucket}: "
+               f"({self._window_words(win)}; threshold {thr:.0%}): {bucket}: "
                f"{gbs_med:.3g} GB/s{per} against a baseline of {base:.3g} GB/s (p{self.baseline_quantile * 100:.0f} "
                f"of {nsamp} clean steps at page_size {bps}, backend '{bback}'; now page_size {ps}, "
                f"backend '{backend}'){peak}")
@@ -609,6 +639,7 @@ class BandwidthProbe(Probe):
             hint=cause, kind="low-bandwidth-decode" if decode_only else "low-bandwidth",
             step=e.step, dedup=("low-bandwidth", decode_only),
             evidence={"median_vs_baseline": med, "threshold": thr, "bucket": bucket, "gbs_median": gbs_med,
+                      "window_steps": len(win), "window_s": sum(x[-1] for x in win),
                       "baseline_gbs": base, "baseline_samples": nsamp, "baseline_page_size": bps,
                       "baseline_attention_backend": bback, "baseline_updated_at": ent.get("updated_at"),
                       "baseline_file": str(self.baselines.path) if self.baselines.path else None,
