@@ -89,7 +89,8 @@ pd.DataFrame([
 #
 # ## 3. The finding
 # The bandwidth probe checks the configuration at attach and whenever the page size changes, and judges each
-# step's achieved bandwidth against the machine's measured peak.
+# step's achieved bandwidth against what this engine reached before for the same batch shape on this machine
+# (`baselines.json`; the measured copy peak is a column, information only).
 
 # %%
 wb.findings[["probe", "severity", "kind", "step", "message"]]
