@@ -42,13 +42,18 @@ cycles that the guest still counts as ours, a clock that dropped (and, when cont
 is larger than the last-level cache, a neighbour saturating memory bandwidth). So before a
 window turns into a finding the probe times a control: a fixed copy (control_nbytes) that
 no engine change can slow, measured the same way (per CPU-second on a CPU) and compared
-with the best the control reached since attach (3 rounds at attach, each the median of 7
-copies). Only a host clearly slower than that (under HOST_SLOW_SHARE of it, beyond the
-control's own noise) excuses a window, and only when the window's median divided by the
-control's share clears the threshold: a host at half speed makes a half-speed step normal,
-and the probe reports host-slow (info) instead of blaming the engine. A slower engine on
-a normal host keeps its warning. The control costs ~30 ms at attach (3 rounds) and ~2-10 ms
-when a verdict is due, at most once per window of steps; nothing on the other steps.
+with the best the control reached since attach (3 rounds at attach, each the best of 7
+copies: an interrupt or a neighbour's burst slows single copies, not the best of them). A
+round under HOST_SLOW_SHARE of that best is measured again, up to CONTROL_CONFIRM_ROUNDS more
+rounds, keeping the best: a slow host stays slow for the ~10-30 ms that takes, a transient
+does not. (On this 2-core VM, idle, after engine steps: a median of 7 copies read 0.5-1.0 of
+the best seen, so a 0.75 cut excused real regressions as host-slow; the confirmed best of 7
+read 0.76-1.0.) Only a host clearly slower than that (under HOST_SLOW_SHARE of it) excuses
+a window, and only when the window's median divided by the control's share clears the
+threshold: a host at half speed makes a half-speed step normal, and the probe reports
+host-slow (info) instead of blaming the engine. A slower engine on a normal host keeps its
+warning. The control costs ~30 ms at attach (3 rounds) and ~2-10 ms when a verdict is due
+(up to 3x that on a slow reading), at most once per window of steps; nothing on the other steps.
 
 Also a config check, at attach and whenever the page size changes: a page size that
 is not a power of two >= 16 has no paged kernel and runs a slow fallback (field note 8).
@@ -81,7 +86,8 @@ PAGE_SIZE_FIX = "use 16, 32, 64 or 128"
 BASELINE_FILE = "baselines.json"
 BASELINE_FORMAT = "pagedkv-workbench bandwidth baselines"
 BASELINE_VERSION = 1
-HOST_SLOW_SHARE = 0.75        # a control under this share of its best: the host itself is slow
+HOST_SLOW_SHARE = 0.6         # a control under this share of its best: the host itself is slow
+CONTROL_CONFIRM_ROUNDS = 2    # more rounds of the control when one reads slow, the best kept
 MAX_WINDOW_STEPS = 1024       # a window of short steps grows to span min_window_s, up to this many
 
 
@@ -413,7 +419,8 @@ class BandwidthProbe(Probe):
         return (time.process_time() - cpu0) / (wall * torch.get_num_threads()) if wall > 0 else None
 
     def _control_gbs(self, repeats: int = 7) -> float:
-        """The host control: median GB/s of a fixed copy, per CPU-second on a CPU as steps are."""
+        """The host control: the best GB/s of `repeats` copies of a fixed size, per CPU-second on a
+        CPU as steps are (the best: what the host can do now, least moved by one interrupt)."""
         import torch
         from workbench.engine.device import synchronize
         dev = self.engine.device
@@ -431,14 +438,20 @@ class BandwidthProbe(Probe):
             wall = max(time.perf_counter() - w0, 1e-9)
             share = min(1.0, (time.process_time() - c0) / (wall * threads)) if dev.type == "cpu" else 1.0
             rates.append(8.0 * n / (wall * max(share, 1e-3)) / 1e9)
-        return median(rates)
+        return max(rates)
 
     def _control_share(self) -> tuple[float, float] | None:
-        """(control GB/s now, its share of the best seen since attach); the best is updated."""
+        """(control GB/s now, its share of the best seen since attach); the best is updated. A round
+        that reads slow is confirmed by up to CONTROL_CONFIRM_ROUNDS more, the best of them kept."""
         if self.control_nbytes <= 0:
             return None
+        ref = self.control_ref_gbs
         now = self._control_gbs()
-        self.control_ref_gbs = max(now, self.control_ref_gbs or 0.0)
+        for _ in range(CONTROL_CONFIRM_ROUNDS):
+            if ref is None or now >= HOST_SLOW_SHARE * ref:
+                break
+            now = max(now, self._control_gbs())
+        self.control_ref_gbs = max(now, ref or 0.0)
         return now, now / self.control_ref_gbs
 
     def _control_for(self, step: int) -> tuple[float, float] | None:

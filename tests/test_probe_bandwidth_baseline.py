@@ -89,6 +89,9 @@ def test_untrustworthy_cached_peak_is_remeasured_and_no_verdict_on_a_clean_run(c
     assert dev._age_s(stored["measured_at"]) < 600
     df = p.frame()
     assert df["judged"].any() and df["share_of_peak"].notna().all()
+    # judged against their own baseline (~1x), not the planted roof (~0x); too few sub-millisecond steps
+    # span min_window_s for a window verdict, so the per-step figures are checked here
+    assert df.loc[df["judged"], "vs_baseline"].median() > 0.5
     # at attach, or (beaten) at the first step that moved more than it
     assert f.step == (df["step"].iloc[0] if case == "beaten" else 0) and (df["peak_gbs"] == p.peak_gbs).all()
     wb.detach()
@@ -310,10 +313,11 @@ def test_a_slow_host_is_not_an_engine_regression(sharp_llama_dir, cache, monkeyp
         finally:
             del eng.attn.decode
 
-    # The steps ran at ~1/10-1/20 of their baseline (wasteful decode) on a host at 1/50 of its speed.
+    # The steps ran at ~1/10-1/20 of their baseline (wasteful decode) on a host at 1/50 of its speed,
+    # slow in every round the control is timed (the first and CONTROL_CONFIRM_ROUNDS more).
     monkeypatch.setattr(p, "_control_gbs", host_at(0.02))
     slow_engine_run()
-    assert calls and loud(wb) == []
+    assert len(calls) >= 3 and loud(wb) == []
     (f,) = [f for f in wb.all_findings() if f.kind == "host-slow"]
     assert f.severity == "info" and f.evidence["control_share"] == pytest.approx(0.02)
     assert f.evidence["median_vs_baseline"] < 0.5 and "not a regression of the engine" in f.message
@@ -329,6 +333,22 @@ def test_a_slow_host_is_not_an_engine_regression(sharp_llama_dir, cache, monkeyp
     judged = int(p.frame()["judged"].sum())
     assert judged >= 2 * 8 and 1 <= len(calls) <= judged // 8 + 1
     assert not [f for f in wb.all_findings() if f.kind == "host-slow"]
+    # A control that reads slow once (an interrupt, a neighbour's burst) and normal when timed again:
+    # the slow round is confirmed by the next one, which clears the host, and the window is the engine's.
+    wb.reset()
+    calls.clear()
+    reads = iter([0.05] + [0.97] * 1000)          # alone, 0.05 would excuse the ~1/10-1/20 steps
+
+    def transient(*a, **k):
+        frac = next(reads)
+        calls.append(frac)
+        real_control(*a, **k)
+        return ref_gbs * frac
+    monkeypatch.setattr(p, "_control_gbs", transient)
+    slow_engine_run()
+    (w,) = wb.findings_at_least("warn")
+    assert w.kind == "low-bandwidth-decode" and w.evidence["control_share"] == pytest.approx(0.97)
+    assert calls[:2] == [0.05, 0.97] and not [f for f in wb.all_findings() if f.kind == "host-slow"]
     wb.detach()
 
 
