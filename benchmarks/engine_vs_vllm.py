@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -234,8 +235,12 @@ def main(argv=None):
             if hf is not None:
                 run_hf(hf, workloads["A"]["prompts"][:2], 2, 1)
             best: dict = {}
+            every: dict = {}                  # each round's seconds, for the per-round ratios
             tokens: dict = {}
-            keep = lambda k, v: best.__setitem__(k, min(best.get(k, v), v))
+
+            def keep(k, v):
+                best[k] = min(best.get(k, v), v)
+                every.setdefault(k, []).append(v)
             steps = [(r, name) for r in range(a.rounds) for name in list(workloads) + ["decode"]]
             for r, name in tqdm(steps, desc=f"{dtype}: rounds (vLLM, ours, HF interleaved)"):
                 if name == "decode":
@@ -278,6 +283,12 @@ def main(argv=None):
             print(f"    ours      {out_tok / o:8.1f} tok/s  ({share(o, ours_rate):.0%} {of})")
             print(f"    vLLM-CPU  {out_tok / v:8.1f} tok/s  ({share(v):.0%} of matmul)   ours / vLLM = {v / o:.2f}x   "
                   f"same greedy tokens: {agreement(tokens[('ours', name)], tokens[('vllm', name)]):.0%} of requests")
+            # Each round's pair (vLLM's run, then ours right after it): the host's drift over a
+            # minute moves both, so the spread of these says how far one run's ratio can be trusted.
+            paired = sorted(vs / os_ for vs, os_ in zip(every[("vllm", name)], every[("ours", name)]))
+            if len(paired) > 1:
+                print(f"    ours / vLLM round by round: median {statistics.median(paired):.2f}x, "
+                      f"range {paired[0]:.2f}-{paired[-1]:.2f}x over {len(paired)} rounds")
             if dense is not None:
                 dn = best[("dense", name)]
                 print(f"    ours, float32 weight layout {out_tok / dn:6.1f} tok/s   / vLLM = {v / dn:.2f}x   "
