@@ -23,8 +23,9 @@ reached here before), and those steps must span min_window_s of step time (defau
 with shorter steps the window takes as many more as that needs): a hiccup of a few
 milliseconds (a burst of page faults, a neighbour's burst on the memory bus, a GC pass)
 can slow every step of a window of sub-millisecond steps, it must not outvote it. A
-production step of 10 ms or more fills the time with its 16 steps. Without a baseline a step is recorded as unjudged-baseline and
-nothing is reported. Steps with prefill are judged the same way but never above info.
+production step of 10 ms or more fills the time with its 16 steps. Without a baseline a
+step is recorded as unjudged-baseline and nothing is reported. Steps with prefill are
+judged the same way but never above info.
 
 The measured copy peak (device.peak_figures) stays as a column (share_of_peak),
 information only. It is re-measured when stale, measured while the host was busy, or
@@ -321,8 +322,8 @@ class BandwidthProbe(Probe):
         mixed_threshold the same for steps with prefill (default: threshold; reported as info).
         A finding needs the median of the last `window` judged steps under it, steps that together
         took at least min_window_s (more steps when they are shorter, up to MAX_WINDOW_STEPS; 0: just
-        `window`). A bucket is judged
-        once it has min_samples clean steps; its baseline is their baseline_quantile.
+        `window`). A bucket is judged once it has min_samples clean steps; its baseline is their
+        baseline_quantile.
         baseline_file: where baselines are kept (default cache_dir()/baselines.json, beside
         peaks.json; False: in memory only, for this attachment). learn: add clean steps to the
         baselines (False: judge against the stored ones only). save_every: save after that many
