@@ -56,6 +56,13 @@ host-slow (info) instead of blaming the engine. A slower engine on a normal host
 warning. The control costs ~30 ms at attach (3 rounds) and ~2-10 ms when a verdict is due
 (up to 3x that on a slow reading), at most once per window of steps; nothing on the other steps.
 
+Before the control, the host's load: other processes busy on this host share its caches and
+memory bus with the engine, which slows a step per CPU-second as well (a per-CPU-second rate
+takes out time slicing, not that). The probe reads /proc/stat at most every 50 ms at a step;
+when a window turns low it reads the share of the host's CPU that other processes took since
+the window began (at least the last 250 ms), and over HOST_BUSY_SHARE (0.25) the window is
+reported as host-busy (info), not judged as the engine's. A dedicated server stays judged.
+
 Also a config check, at attach and whenever the page size changes: a page size that
 is not a power of two >= 16 has no paged kernel and runs a slow fallback (field note 8).
 
@@ -72,6 +79,7 @@ import datetime as _dt
 import hashlib
 import json
 import math
+import os
 import threading
 import time
 import warnings
@@ -90,6 +98,9 @@ BASELINE_VERSION = 1
 HOST_SLOW_SHARE = 0.6         # a control under this share of its best: the host itself is slow
 CONTROL_CONFIRM_ROUNDS = 2    # more rounds of the control when one reads slow, the best kept
 MAX_WINDOW_STEPS = 1024       # a window of short steps grows to span min_window_s, up to this many
+HOST_BUSY_SHARE = 0.25        # other processes took more of the host's CPU than this while a window ran
+HOST_TICKS_EVERY_S = 0.05     # /proc/stat read at most this often, at steps (~30 us a read)
+HOST_LOOKBACK_S = 0.25        # the host's load is read over at least this long (ticks are 10 ms)
 
 
 def page_size_supported(ps: int, backend: str | None = None) -> bool:
@@ -371,6 +382,7 @@ class BandwidthProbe(Probe):
         self.control_nbytes = int(control_nbytes)
         self.control_ref_gbs: float | None = None     # the best the host control reached since attach
         self._control_last = None                     # (step, (GB/s, share)): reused for a window of steps
+        self._ticks = deque(maxlen=256)               # (perf_counter, /proc/stat ticks), every >= 50 ms
 
     # ---- lifecycle -----------------------------------------------------------
     def on_attach(self, engine) -> None:
@@ -393,6 +405,8 @@ class BandwidthProbe(Probe):
             self.guard(self._measure_peak)()
         self.guard(self.check_config)()
         self.control_ref_gbs, self._control_last = None, None    # this attachment's device and host
+        self._ticks.clear()
+        self._sample_ticks()
         if self.control_nbytes > 0:
             for _ in range(3):                           # the reference, while nothing is slow yet
                 self.guard(self._control_share)()
@@ -515,6 +529,9 @@ class BandwidthProbe(Probe):
 
     def on_step(self, e: StepFinished) -> None:
         eng = self.engine
+        now = time.perf_counter()
+        if not self._ticks or now - self._ticks[-1][0] >= HOST_TICKS_EVERY_S:
+            self._sample_ticks(now)
         ps = eng.pool.page_size
         if ps != self._checked_page_size:
             self.check_config()
@@ -571,11 +588,16 @@ class BandwidthProbe(Probe):
         if not judged:
             return
         win = self._win[decode_only]
-        win.append((ratio, base_bucket, rate, ent, seconds))
+        win.append((ratio, base_bucket, rate, ent, time.perf_counter(), seconds))
         steps = self._verdict_window(win)
         if steps:
             med = median(r for r, *_ in steps)
             if med < thr:
+                others = self._others_share(steps[0][-2] - steps[0][-1])
+                if others is not None and others > HOST_BUSY_SHARE:
+                    self._report_host_busy(e, decode_only, med, thr, others, steps)
+                    win.clear()                 # judged again on a whole new window
+                    return
                 control = self._control_for(e.step)
                 if control is not None and control[1] < HOST_SLOW_SHARE and med / control[1] >= thr:
                     self._report_host_slow(e, decode_only, med, thr, control, steps)
@@ -599,6 +621,48 @@ class BandwidthProbe(Probe):
     @staticmethod
     def _window_words(steps: list) -> str:
         return f"median of the last {len(steps)} judged steps, {sum(x[-1] for x in steps) * 1e3:.3g} ms of steps"
+
+    def _sample_ticks(self, now: float | None = None) -> None:
+        from workbench.engine import device
+        ticks = device._proc_ticks()
+        if ticks is not None:
+            self._ticks.append((time.perf_counter() if now is None else now, ticks))
+
+    def _others_share(self, since: float) -> float | None:
+        """Share of the host's CPU ticks that other processes took from `since` (perf_counter; at
+        least HOST_LOOKBACK_S back) to now, from /proc/stat. Too few ticks since attach to tell (a
+        verdict within ~100 ms of it): the 1-minute load average less this process's threads, as
+        device.HostLoad estimates it. None where neither can be read."""
+        from workbench.engine import device
+        now_ticks = device._proc_ticks()
+        if now_ticks is not None and self._ticks:
+            start = min(since, time.perf_counter() - HOST_LOOKBACK_S)
+            older = [t for w, t in self._ticks if w <= start]
+            t0 = older[-1] if older else self._ticks[0][1]
+            busy, total, ours = (a - b for a, b in zip(now_ticks, t0))
+            if total >= 20:
+                return min(1.0, max(0.0, (busy - ours) / total))
+        try:
+            import torch
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            return None
+        return min(1.0, max(0.0, (load - torch.get_num_threads()) / (os.cpu_count() or 1)))
+
+    def _report_host_busy(self, e: StepFinished, decode_only: bool, med: float, thr: float, others: float,
+                          steps: list) -> None:
+        what = "decode-only steps" if decode_only else "steps with prefill"
+        self.report(
+            "info",
+            f"{what} ran at {med:.0%} of their baseline ({self._window_words(steps)}), but other processes "
+            f"took {others:.0%} of this host's CPU meanwhile (/proc/stat): they share the caches and the memory "
+            f"bus with the engine, which a per-CPU-second rate does not take out; not judged as the engine's",
+            hint="other work on this host; run the comparison on a quiet host (the engine is judged again on "
+                 "the next window)",
+            kind="host-busy", step=e.step, dedup=("host-busy", decode_only),
+            evidence={"median_vs_baseline": med, "threshold": thr, "host_others_share": others,
+                      "host_busy_share": HOST_BUSY_SHARE, "window_steps": len(steps),
+                      "window_s": sum(x[-1] for x in steps)})
 
     def _report_host_slow(self, e: StepFinished, decode_only: bool, med: float, thr: float,
                           control: tuple[float, float], steps: list) -> None:
@@ -624,7 +688,7 @@ class BandwidthProbe(Probe):
         ps = self.engine.pool.page_size
         backend = getattr(self.engine.attn, "name", type(self.engine.attn).__name__)
         bucket, _ = Counter(b for _, b, *_ in win).most_common(1)[0]
-        mine = [(g, ent) for _, b, g, ent, _ in win if b == bucket]
+        mine = [(g, ent) for _, b, g, ent, *_ in win if b == bucket]
         ent = mine[-1][1]
         gbs_med = median(g for g, _ in mine)
         base, bps, bback = ent["gbs_baseline"], ent.get("page_size"), ent.get("attention_backend")
