@@ -649,38 +649,39 @@ class BandwidthProbe(Probe):
             return None
         return min(1.0, max(0.0, (load - torch.get_num_threads()) / (os.cpu_count() or 1)))
 
-    def _report_host_busy(self, e: StepFinished, decode_only: bool, med: float, thr: float, others: float,
-                          steps: list) -> None:
+    def _report_excused(self, e: StepFinished, decode_only: bool, med: float, thr: float, steps: list,
+                        kind: str, why: str, hint: str, evidence: dict) -> None:
+        """A low window that is the host's, not the engine's: an info finding, `why` after the figures."""
         what = "decode-only steps" if decode_only else "steps with prefill"
         self.report(
-            "info",
-            f"{what} ran at {med:.0%} of their baseline ({self._window_words(steps)}), but other processes "
-            f"took {others:.0%} of this host's CPU meanwhile (/proc/stat): they share the caches and the memory "
-            f"bus with the engine, which a per-CPU-second rate does not take out; not judged as the engine's",
-            hint="other work on this host; run the comparison on a quiet host (the engine is judged again on "
-                 "the next window)",
-            kind="host-busy", step=e.step, dedup=("host-busy", decode_only),
-            evidence={"median_vs_baseline": med, "threshold": thr, "host_others_share": others,
-                      "host_busy_share": HOST_BUSY_SHARE, "window_steps": len(steps),
-                      "window_s": sum(x[-1] for x in steps)})
+            "info", f"{what} ran at {med:.0%} of their baseline ({self._window_words(steps)}), but {why}",
+            hint=hint + "; the engine is judged again on the next window", kind=kind, step=e.step,
+            dedup=(kind, decode_only),
+            evidence={"median_vs_baseline": med, "threshold": thr, "window_steps": len(steps),
+                      "window_s": sum(x[-1] for x in steps), **evidence})
+
+    def _report_host_busy(self, e: StepFinished, decode_only: bool, med: float, thr: float, others: float,
+                          steps: list) -> None:
+        self._report_excused(
+            e, decode_only, med, thr, steps, "host-busy",
+            f"other processes took {others:.0%} of this host's CPU meanwhile (/proc/stat): they share the caches "
+            f"and the memory bus with the engine, which a per-CPU-second rate does not take out; not judged as "
+            f"the engine's",
+            "other work on this host; compare on a quiet host",
+            {"host_others_share": others, "host_busy_share": HOST_BUSY_SHARE})
 
     def _report_host_slow(self, e: StepFinished, decode_only: bool, med: float, thr: float,
                           control: tuple[float, float], steps: list) -> None:
         now, frac = control
-        what = "decode-only steps" if decode_only else "steps with prefill"
-        self.report(
-            "info",
-            f"{what} ran at {med:.0%} of their baseline ({self._window_words(steps)}), but "
+        self._report_excused(
+            e, decode_only, med, thr, steps, "host-slow",
             f"the host itself was slow: a fixed {self.control_nbytes / 2**20:g} MiB copy ran at {now:.3g} GB/s, "
             f"{frac:.0%} of the {self.control_ref_gbs:.3g} GB/s it reached since attach; relative to the host "
             f"the steps were at {med / frac:.0%}, not a regression of the engine",
-            hint="other work on this host or device (a hypervisor stealing cycles, a neighbour saturating "
-                 "memory bandwidth, a lowered clock); the engine is judged again on the next window",
-            kind="host-slow", step=e.step, dedup=("host-slow", decode_only),
-            evidence={"median_vs_baseline": med, "threshold": thr, "control_gbs": now,
-                      "window_steps": len(steps), "window_s": sum(x[-1] for x in steps),
-                      "control_best_gbs": self.control_ref_gbs, "control_share": frac,
-                      "control_nbytes": self.control_nbytes})
+            "other work on this host or device (a hypervisor stealing cycles, a neighbour saturating "
+            "memory bandwidth, a lowered clock)",
+            {"control_gbs": now, "control_best_gbs": self.control_ref_gbs, "control_share": frac,
+             "control_nbytes": self.control_nbytes})
 
     def _report_low(self, e: StepFinished, decode_only: bool, med: float, thr: float, win: list,
                     share: float, control: tuple[float, float] | None = None) -> None:
