@@ -167,7 +167,9 @@ def test_clean_run_without_baseline_gives_no_warning(sharp_llama_dir, cache):
     wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=1e6, learn=False, **TINY))
     wb.run(PROMPTS, GREEDY)
     df = wb.probe("bandwidth").frame()
-    assert (df["status"] == "unjudged-baseline").all() and not df["judged"].any()
+    # (a step the host starved of CPU is recorded as such: not judged either)
+    assert df["status"].isin(["unjudged-baseline", "unjudged-starved"]).all() and not df["judged"].any()
+    assert (df["status"] == "unjudged-baseline").mean() > 0.5
     assert (df["share_of_peak"] < 1e-5).all() and wb.findings.empty
     wb.detach()
     assert not (cache / "baselines.json").exists()
