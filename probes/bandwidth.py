@@ -79,11 +79,11 @@ import datetime as _dt
 import hashlib
 import json
 import math
-import os
 import threading
 import time
 import warnings
 from collections import Counter, deque
+from itertools import islice
 from pathlib import Path
 from statistics import median
 
@@ -588,7 +588,7 @@ class BandwidthProbe(Probe):
         if not judged:
             return
         win = self._win[decode_only]
-        win.append((ratio, base_bucket, rate, ent, time.perf_counter(), seconds))
+        win.append((ratio, base_bucket, rate, ent, now, seconds))
         steps = self._verdict_window(win)
         if steps:
             med = median(r for r, *_ in steps)
@@ -615,7 +615,7 @@ class BandwidthProbe(Probe):
             span += seconds
             n += 1
             if n >= self.window and span >= self.min_window_s:
-                return list(win)[-n:]
+                return list(islice(win, len(win) - n, None))
         return list(win) if len(win) == win.maxlen else []   # the cap: as far back as it keeps
 
     @staticmethod
@@ -638,16 +638,10 @@ class BandwidthProbe(Probe):
         if now_ticks is not None and self._ticks:
             start = min(since, time.perf_counter() - HOST_LOOKBACK_S)
             older = [t for w, t in self._ticks if w <= start]
-            t0 = older[-1] if older else self._ticks[0][1]
-            busy, total, ours = (a - b for a, b in zip(now_ticks, t0))
-            if total >= 20:
-                return min(1.0, max(0.0, (busy - ours) / total))
-        try:
-            import torch
-            load = os.getloadavg()[0]
-        except (OSError, AttributeError):
-            return None
-        return min(1.0, max(0.0, (load - torch.get_num_threads()) / (os.cpu_count() or 1)))
+            share = device.others_share(older[-1] if older else self._ticks[0][1], now_ticks)
+            if share is not None:
+                return share
+        return device.loadavg_others_share()
 
     def _report_excused(self, e: StepFinished, decode_only: bool, med: float, thr: float, steps: list,
                         kind: str, why: str, hint: str, evidence: dict) -> None:

@@ -548,6 +548,24 @@ def _proc_ticks() -> tuple[int, int, int] | None:
     return total - v[3] - v[4], total, ours
 
 
+def others_share(t0: tuple[int, int, int], t1: tuple[int, int, int], min_ticks: int = 20) -> float | None:
+    """Share of the host's ticks between two _proc_ticks() readings that other processes took
+    (busy less ours, over all); None under min_ticks (too few to tell)."""
+    busy, total, ours = t1[0] - t0[0], t1[1] - t0[1], t1[2] - t0[2]
+    if total < min_ticks:
+        return None
+    return min(1.0, max(0.0, (busy - ours) / total))
+
+
+def loadavg_others_share() -> float | None:
+    """Without ticks to count: the 1-minute load average less this process's threads, per CPU."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    return min(1.0, max(0.0, (load - torch.get_num_threads()) / (os.cpu_count() or 1)))
+
+
 class HostLoad:
     """How much of the host's CPU other work took while a block ran.
 
@@ -577,20 +595,13 @@ class HostLoad:
         self.wall_s = time.perf_counter() - self._w0
         t0 = self._t0
         if t0 is not None and t1 is not None:
-            busy, total, ours = t1[0] - t0[0], t1[1] - t0[1], t1[2] - t0[2]
-            if total >= 20:                      # enough ticks to tell
-                self.others_share = min(1.0, max(0.0, (busy - ours) / total))
-                self.method = "/proc/stat"
-            else:                                # too short to tell (and the load average is not this block)
-                self.method = "too short"
+            self.others_share = others_share(t0, t1)
+            # too short to tell: the load average is not this block
+            self.method = "/proc/stat" if self.others_share is not None else "too short"
             return
-        try:
-            load = os.getloadavg()[0]
-        except (OSError, AttributeError):
-            return
-        cpus = os.cpu_count() or 1
-        self.others_share = min(1.0, max(0.0, (load - torch.get_num_threads()) / cpus))
-        self.method = "loadavg"
+        self.others_share = loadavg_others_share()
+        if self.others_share is not None:
+            self.method = "loadavg"
 
     @property
     def busy(self) -> bool | None:
