@@ -99,7 +99,7 @@ HOST_SLOW_SHARE = 0.6         # a control under this share of its best: the host
 CONTROL_CONFIRM_ROUNDS = 2    # more rounds of the control when one reads slow, the best kept
 MAX_WINDOW_STEPS = 1024       # a window of short steps grows to span min_window_s, up to this many
 HOST_BUSY_SHARE = 0.25        # other processes took more of the host's CPU than this while a window ran
-HOST_TICKS_EVERY_S = 0.05     # /proc/stat read at most this often, at steps (~30 us a read)
+HOST_TICKS_EVERY_S = 0.05     # /proc/stat read at most this often, at steps (~50 us a read here)
 HOST_LOOKBACK_S = 0.25        # the host's load is read over at least this long (ticks are 10 ms)
 
 
