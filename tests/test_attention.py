@@ -168,6 +168,38 @@ def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
     assert torch.equal(native.kernel().row_absmax(strided), strided.abs().amax(dim=1))
 
 
+# Chunks of one prefill call: (queries n, context c, fresh). Odd block tails (37, 5 of 100, 49), a
+# one-token chunk, 16-position items and shorter ones.
+PREFILL_SPECS = [(37, 37, True), (5, 40, False), (16, 16, True), (20, 100, False), (1, 1, True), (33, 49, False)]
+
+
+def prefill_case(hq, hkv, d, cache_dtype, ps, seed, q_scale=1.0, width=8):
+    """q / fresh k, v as views of one packed q|k|v buffer, random pages, and the chunk rows."""
+    rng = np.random.default_rng(seed)
+    P = 64
+    kc, vc = torch.randn(P, ps, hkv, d).to(cache_dtype), torch.randn(P, ps, hkv, d).to(cache_dtype)
+    T = sum(n for n, _, _ in PREFILL_SPECS)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d) * q_scale
+    q = qkv[:, : hq * d].view(T, hq, d)
+    kf, vf = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d), qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    n_rows = len(PREFILL_SPECS)
+    bt = torch.from_numpy(rng.permutation(P)[: n_rows * width].reshape(n_rows, width).astype(np.int32))
+    rows, a = [], 0
+    for i, (n, c, fresh) in enumerate(PREFILL_SPECS):
+        rows.append([a, n, c, i, int(fresh), 0])
+        a += n
+    return q, kf, vf, kc, vc, bt, rows
+
+
+def dense_prefill(q, kk, vv, c, d):
+    """Causal (bottom-right) attention of q [n, Hq, D] over kk, vv [c, Hkv, D], in float64."""
+    n, g = q.shape[0], q.shape[1] // kk.shape[1]
+    kk, vv = kk.double().repeat_interleave(g, 1), vv.double().repeat_interleave(g, 1)
+    s = torch.einsum("nhd,chd->hnc", q.double(), kk) * d ** -0.5
+    s = s.masked_fill(~(torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]), float("-inf"))
+    return torch.einsum("hnc,chd->nhd", s.softmax(-1), vv)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 64), (4, 2, 128), (6, 3, 48)])
 def test_compiled_prefill_matches_dense(dtype, hq, hkv, d):
@@ -175,34 +207,57 @@ def test_compiled_prefill_matches_dense(dtype, hq, hkv, d):
     and chunks reading float32 / bf16 pages, against dense float64 attention on the same values."""
     need_kernel()
     k = native.kernel()
-    rng = np.random.default_rng(d + hq)
-    P, ps = 64, 16
-    kc, vc = torch.randn(P, ps, hkv, d).to(dtype), torch.randn(P, ps, hkv, d).to(dtype)
-    specs = [(37, 37, True), (5, 40, False), (16, 16, True), (20, 100, False), (1, 1, True), (33, 49, False)]
-    T = sum(n for n, _, _ in specs)
-    qkv = torch.randn(T, (hq + 2 * hkv) * d)
-    q = qkv[:, : hq * d].view(T, hq, d)
-    kf, vf = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d), qkv[:, (hq + hkv) * d:].view(T, hkv, d)
-    bt = torch.from_numpy(rng.permutation(P)[: len(specs) * 8].reshape(len(specs), 8).astype(np.int32))
-    rows, a = [], 0
-    for i, (n, c, fresh) in enumerate(specs):
-        rows.append([a, n, c, i, int(fresh), 0])
-        a += n
-    out = torch.full((T, hq, d), float("nan"))
+    ps = 16
+    q, kf, vf, kc, vc, bt, rows = prefill_case(hq, hkv, d, dtype, ps, seed=d + hq)
+    out = torch.full(q.shape, float("nan"))
     k.paged_prefill(q, out, kf, vf, kc, vc, bt, torch.tensor(rows, dtype=torch.int64), d ** -0.5)
-    g = hq // hkv
     for a, n, c, i, fresh, _ in rows:
         if fresh:
             kk, vv = kf[a:a + n], vf[a:a + n]
         else:
             pg = bt[i, : -(-c // ps)].long()
             kk, vv = kc[pg].reshape(-1, hkv, d)[:c], vc[pg].reshape(-1, hkv, d)[:c]
-        kk, vv = kk.double().repeat_interleave(g, 1), vv.double().repeat_interleave(g, 1)
-        s = torch.einsum("nhd,chd->hnc", q[a:a + n].double(), kk) * d ** -0.5
-        s = s.masked_fill(~(torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]), float("-inf"))
-        ref = torch.einsum("hnc,chd->nhd", s.softmax(-1), vv)
+        ref = dense_prefill(q[a:a + n], kk, vv, c, d)
         assert (out[a:a + n].double() - ref).abs().max() < 1e-5, (a, n, c, fresh)
     with pytest.raises(IndexError, match="out of bounds"):                 # a bad page id raises, reads nothing
         bad = bt.clone()
-        bad[1, 0] = P
+        bad[1, 0] = kc.shape[0]
         k.paged_prefill(q, out, kf, vf, kc, vc, bad, torch.tensor(rows, dtype=torch.int64), d ** -0.5)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 64), (4, 2, 128), (6, 3, 48)])
+def test_compiled_prefill_bf16_dots_match_dense_on_the_rounded_values(hq, hkv, d):
+    """bf16 dots (native bf16 on a CPU with avx512_bf16): scores and P.V from bf16 pairs with float32
+    sums. Against dense float64 attention on what the pages hold (a fresh chunk's K/V rounded as the
+    store rounds them): within bf16's rounding of Q and P, and not the float32 dots' result. Head
+    sizes the pair tiles do not cover (48) keep the float32 dots, bit for bit."""
+    from workbench.engine.attention.cpu_paged import prefill_bf16_dots
+    need_kernel()
+    k = native.kernel()
+    if not prefill_bf16_dots(k):
+        pytest.skip("no avx512_bf16 in this build or CPU")
+    ps = 32
+    q, kf, vf, kc, vc, bt, rows = prefill_case(hq, hkv, d, torch.bfloat16, ps, seed=7 * d + hq, q_scale=2.0,
+                                               width=4)
+    chunks = torch.tensor(rows, dtype=torch.int64)
+    out32, out16 = torch.full(q.shape, float("nan")), torch.full(q.shape, float("nan"))
+    k.paged_prefill(q, out32, kf, vf, kc, vc, bt, chunks, d ** -0.5)
+    k.paged_prefill(q, out16, kf, vf, kc, vc, bt, chunks, d ** -0.5, True)
+    if d % 32:
+        assert torch.equal(out16, out32)
+        return
+    worst = 0.0
+    for a, n, c, i, fresh, _ in rows:
+        if fresh:
+            kk, vv = kf[a:a + n].bfloat16(), vf[a:a + n].bfloat16()
+        else:
+            pg = bt[i, : -(-c // ps)].long()
+            kk, vv = kc[pg].reshape(-1, hkv, d)[:c], vc[pg].reshape(-1, hkv, d)[:c]
+        err = float((out16[a:a + n].double() - dense_prefill(q[a:a + n], kk, vv, c, d)).abs().max())
+        # Q and P rounded to bf16 (8 bits): ~1% of |v| at these scores (|s| up to ~15), not ~|v|
+        assert err < 0.02 * float(vv.abs().max()), (a, n, c, fresh, err)
+        worst = max(worst, err)
+    assert worst > 1e-4                                   # really bf16 dots, not the float32 ones
+    assert not torch.equal(out16, out32)
+    with pytest.raises(RuntimeError, match="bf16 dots"):  # float32 pages: no bf16 dots
+        k.paged_prefill(q, out16, kf, vf, kc.float(), vc.float(), bt, chunks, d ** -0.5, True)

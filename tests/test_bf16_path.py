@@ -13,7 +13,7 @@ import torch
 
 from workbench import Engine, EngineConfig, SamplingParams
 from workbench.engine import cpu_bf16, skinny_gemm
-from workbench.engine.attention.cpu_paged import NativeDecode
+from workbench.engine.attention.cpu_paged import NativeDecode, prefill_bf16_dots
 from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS
 from workbench.engine.weights import load_model
 
@@ -85,6 +85,8 @@ def test_bf16_storage_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatc
     check_within_tolerance(eng, fp32)
     plan = eng.last_batch.attn_plan
     assert plan.decode and isinstance(plan.decode[0], NativeDecode)           # the kernel read bf16 pages
+    eng.generate(CHATS[:1], SamplingParams(max_tokens=1))
+    assert not eng.last_batch.attn_plan.native_prefill.bf16_dots              # storage: float32 arithmetic
 
 
 def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch):
@@ -97,7 +99,11 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
     # attention in float32 between the bf16 GEMMs: the compiled prefill kernel too
     assert eng.model.attention_dtype(eng.attn, eng.kv.k[0]) == torch.float32
     eng.generate(CHATS[:1], SamplingParams(max_tokens=1))
-    assert eng.last_batch.attn_plan.native_prefill is not None
+    npf = eng.last_batch.attn_plan.native_prefill
+    assert npf is not None
+    # its scores and P.V in bf16 pairs where the build and the CPU have avx512_bf16 (the outputs
+    # above were checked with them); float32 dots elsewhere
+    assert npf.bf16_dots == prefill_bf16_dots()
 
 
 def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(bf16_model, monkeypatch):

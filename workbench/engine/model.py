@@ -138,7 +138,8 @@ class LlamaModel:
         cos = cos.index_select(0, batch.positions)
         sin = sin.index_select(0, batch.positions)
         # The step's attention plan, once for every layer; kept on the batch for observers.
-        plan = batch.attn_plan = attn.plan(batch, adt, kv.k[0])
+        # Widened for the kernels, the dot products may still round to bf16 (the model's own precision).
+        plan = batch.attn_plan = attn.plan(batch, adt, kv.k[0], self.dtype if widen else None)
         # RoPE and the K/V store in one pass where the backend has it (the compiled CPU kernel
         # on a plain float32 cache); the torch formulas and write_kv everywhere else.
         fused = attn.fused_rope_write(adt, kv.k[0]) if kv.k else False

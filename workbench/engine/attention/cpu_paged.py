@@ -10,7 +10,8 @@ Prefill (csrc/paged_prefill.cpp) runs every chunk of a step in one call, from th
 entries (NativePrefill below): ~1.7x torch's per-sequence SDPA at prefill-heavy sizes.
 
 It reads float32 and bfloat16 pages (bf16 widened as loaded: half the bytes of a decode
-step's KV traffic). It falls back to the torch path, per step, where the kernel does not
+step's KV traffic). A native-bf16 model (plan's dots=bfloat16) on a CPU with avx512_bf16 gets
+prefill's scores and P.V as bf16 pairs with float32 sums (vdpbf16ps): ~1.6x the float32 dots. It falls back to the torch path, per step, where the kernel does not
 apply: a float16 or fp16_scaled cache, or a page_reader set through the backend's seam (a
 fault emulating device memory, page_out_of_range unchecked): it must see every page read.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import kv_scale
+from .. import cpu_bf16, kv_scale
 from ..batch import PackedBatch
 from . import native
 from .torch_ref import TorchPagedAttention
@@ -57,6 +58,7 @@ class NativePrefill:
     chunks: torch.Tensor     # [C, 6] int64: start, n, context, tables row, fresh 0/1, mask offset
     tables: torch.Tensor     # [C, W] int32: the pages each paged chunk reads (its entry's list)
     rest: list               # PrefillSeq entries SDPA runs
+    bf16_dots: bool = False  # scores and P.V in bf16 pairs, float32 sums (see prefill_bf16_dots)
 
 
 def native_prefill_plan(seqs: list) -> NativePrefill | None:
@@ -88,6 +90,14 @@ def native_prefill_plan(seqs: list) -> NativePrefill | None:
     return NativePrefill(torch.tensor(rows, dtype=torch.int64), table, rest)
 
 
+def prefill_bf16_dots(kernel=None) -> bool:
+    """Whether the compiled prefill can take its dot products in bf16 pairs (vdpbf16ps): the build
+    has avx512_bf16 (-march=native) and so does this CPU (a cached build can be another host's)."""
+    kernel = native.kernel() if kernel is None else kernel
+    return bool(kernel is not None and getattr(kernel, "prefill_bf16_dot", lambda: False)()
+                and cpu_bf16.hardware_native())
+
+
 class CpuPagedAttention(TorchPagedAttention):
     name = "cpu"
 
@@ -102,11 +112,14 @@ class CpuPagedAttention(TorchPagedAttention):
                 and q_dtype in (torch.float32, torch.bfloat16) and cache is not None
                 and cache.dtype in NATIVE_CACHE_DTYPES and kv_scale.page_scale(cache) is None)
 
-    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32, cache: torch.Tensor | None = None):
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32, cache: torch.Tensor | None = None,
+             dots: torch.dtype | None = None):
         plan = super().plan(batch, q_dtype, cache)
         if (plan.prefill and q_dtype == torch.float32 and self._native_ok(batch, q_dtype, cache)
                 and batch.page_size % 16 == 0 and hasattr(self.kernel, "paged_prefill")):
             plan.native_prefill = native_prefill_plan(plan.prefill)
+            if plan.native_prefill is not None and dots == torch.bfloat16 and cache.dtype == torch.bfloat16:
+                plan.native_prefill.bf16_dots = prefill_bf16_dots(self.kernel)
         return plan
 
     def prefill_plan(self, q, k, v, k_cache, v_cache, plan, out: torch.Tensor) -> None:
@@ -115,7 +128,8 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().prefill_plan(q, k, v, k_cache, v_cache, plan, out)
         if k.stride(0) != v.stride(0) or k.stride(1) != k.shape[2]:   # unfused RoPE: k in a tensor of its own
             k, v = k.contiguous(), v.contiguous()
-        self.kernel.paged_prefill(q, out, k, v, k_cache, v_cache, native.tables, native.chunks, self.scale)
+        self.kernel.paged_prefill(q, out, k, v, k_cache, v_cache, native.tables, native.chunks, self.scale,
+                                  native.bf16_dots)
         self.prefill(q, k, v, k_cache, v_cache, native.rest, out)
 
     def plan_decode(self, batch: PackedBatch, rows_all: np.ndarray, q_dtype=None, cache=None) -> tuple[list, int]:

@@ -594,12 +594,16 @@ double absmax(const torch::Tensor& x) {
 // paged_prefill.cpp
 void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& chunks, double scale);
+                   const torch::Tensor& chunks, double scale, bool bf16_dots);
+bool prefill_bf16_dot();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while it runs, as torch's own ops do: submitter threads keep going.
   m.def("paged_prefill", &paged_prefill, "causal prefill attention of every chunk of a step (float32 q, fresh rows "
-        "or float32 / bf16 pages, CPU)", py::call_guard<py::gil_scoped_release>());
+        "or float32 / bf16 pages, CPU)", py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("chunks"), py::arg("scale"), py::arg("bf16_dots") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_bf16_dot", &prefill_bf16_dot, "whether paged_prefill's bf16 dots (avx512_bf16) were compiled in");
   m.def("paged_decode", &paged_decode, "paged decode attention over pages read in place (float32 q, float32 / bf16 pages, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("row_absmax", &row_absmax, "max |x| per row, NaN-propagating (float32, CPU)",

@@ -11,12 +11,20 @@
 // - a chunk after a prefix hit or an earlier chunk reads its whole context from the pages
 //   through the block table (float32 or bfloat16 pages, widened as loaded).
 // Query position i of a chunk of n over context c sits at c - n + i: causal, bottom-right.
+//
+// bf16 dots (a native-bf16 model, bf16 pages, a CPU with avx512_bf16): the scores and P.V take
+// their inputs rounded to bf16 and sum pairs of products in float32 with vdpbf16ps, half the
+// multiply-adds of the float32 kernel; the softmax stays float32. Q is rounded once (after the
+// scale), K and V are the bf16 values the pages hold (a fresh chunk's float32 rows are rounded
+// the way the store rounds them), P is rounded once before P.V, as flash attention does on GPUs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../../csrc/avx512_math.h"
@@ -89,6 +97,30 @@ inline void qk_groups(int ng, const float* qt, int64_t rpad, const T* kp, int64_
   else qk_rows<T, 1>(qt, rpad, kp, kstride, kn, d, st);
 }
 
+// 16 rows of 16 32-bit words transposed in registers (unpacks, then 128-bit lane shuffles).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + 4 + k], 0x88);
+      t[i + 4 + k] = _mm512_shuffle_i32x4(r[i + k], r[i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
 // o[r] = o[r] * corr[r] + sum_t p[t][r] v_t for RT rows, the accumulators in registers; d = 16 DV.
 template <typename T, int DV, int RT>
 inline void pv_tile(float* o, int64_t d, const float* corr, const float* p, int64_t rpad, int64_t rows, const T* vp,
@@ -112,52 +144,199 @@ inline void pv_tile(float* o, int64_t d, const float* corr, const float* p, int6
 }
 #endif
 
+#if defined(__AVX512BF16__)
+#define PAGEDKV_PREFILL_BF16 1
+// A pair of bf16 (two key dims, or two keys' probabilities) in one 32-bit lane: what vdpbf16ps
+// multiplies lane by lane. memcpy: the pair is read from bf16 rows, without aliasing a uint16.
+inline __m512bh pair_bcast(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// 16 floats rounded to bf16 (RNE, as the K/V store rounds), zero-extended into 32-bit lanes.
+inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+// lo in the low half of each lane, hi in the high half: the pair vdpbf16ps takes.
+inline __m512i pack_pairs(__m512 lo, __m512 hi) {
+  return _mm512_or_si512(bf16_lanes(lo), _mm512_slli_epi32(bf16_lanes(hi), 16));
+}
+
+// The scores of qk_rows with Q as dim pairs [d/2][rpad] and K rows of bf16: half the steps.
+template <int NG>
+inline void qk_rows_bf(const uint32_t* qp, int64_t rpad, const uint16_t* kp, int64_t kstride, int64_t kn, int64_t d,
+                       __m512 (*st)[3]) {
+  int64_t t = 0;
+  constexpr int U = NG == 3 ? 8 : 4;
+  const int64_t d2 = d / 2;
+  for (; t + U <= kn; t += U) {
+    __m512 a[U][NG];
+    for (int u = 0; u < U; ++u)
+      for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_setzero_ps();
+    const uint16_t* k0 = kp + t * kstride;
+    for (int64_t x = 0; x < d2; ++x) {
+      __m512i qv[NG];
+      for (int gi = 0; gi < NG; ++gi) qv[gi] = _mm512_loadu_si512(qp + x * rpad + 16 * gi);
+      for (int gi = 0; gi < NG; ++gi) asm("" : "+v"(qv[gi]));   // as in qk_rows: q stays in registers
+      for (int u = 0; u < U; ++u) {
+        const __m512bh kb = pair_bcast(k0 + u * kstride + 2 * x);
+        for (int gi = 0; gi < NG; ++gi) a[u][gi] = _mm512_dpbf16_ps(a[u][gi], (__m512bh)qv[gi], kb);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int gi = 0; gi < NG; ++gi) st[t + u][gi] = a[u][gi];
+  }
+  for (; t < kn; ++t) {
+    __m512 a[NG];
+    for (int gi = 0; gi < NG; ++gi) a[gi] = _mm512_setzero_ps();
+    const uint16_t* kt = kp + t * kstride;
+    for (int64_t x = 0; x < d2; ++x) {
+      const __m512bh kb = pair_bcast(kt + 2 * x);
+      for (int gi = 0; gi < NG; ++gi)
+        a[gi] = _mm512_dpbf16_ps(a[gi], (__m512bh)_mm512_loadu_si512(qp + x * rpad + 16 * gi), kb);
+    }
+    for (int gi = 0; gi < NG; ++gi) st[t][gi] = a[gi];
+  }
+}
+
+inline void qk_groups_bf(int ng, const uint32_t* qp, int64_t rpad, const uint16_t* kp, int64_t kstride, int64_t kn,
+                         int64_t d, __m512 (*st)[3]) {
+  if (ng == 3) qk_rows_bf<3>(qp, rpad, kp, kstride, kn, d, st);
+  else if (ng == 2) qk_rows_bf<2>(qp, rpad, kp, kstride, kn, d, st);
+  else qk_rows_bf<1>(qp, rpad, kp, kstride, kn, d, st);
+}
+
+// 32 bf16 of a K or V row from x: the page's values, or a fresh float32 row rounded as stored.
+inline __m512i row32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i row32(const float* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+
+// A block's kn keys as bf16 rows [kn][d] (kbuf), and its values as key pairs [kn/2][d][2]
+// (vbuf: lane x of pair j holds v[2j][x], v[2j+1][x]; an odd last key pairs with zeros).
+template <typename T>
+inline void block_bf(const T* kp, int64_t kstride, const T* vp, int64_t vstride, int64_t kn, int64_t d,
+                     uint16_t* kbuf, uint16_t* vbuf) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t t = 0; t < kn; ++t)
+      for (int64_t x = 0; x < d; x += 32) _mm512_storeu_si512(kbuf + t * d + x, row32(kp + t * kstride + x));
+  }
+  for (int64_t t = 0; t < kn; t += 2) {
+    uint16_t* dst = vbuf + t * d;        // pair t / 2: 2 d values
+    for (int64_t x = 0; x < d; x += 32) {
+      const __m512i a = row32(vp + t * vstride + x);
+      const __m512i b = t + 1 < kn ? row32(vp + (t + 1) * vstride + x) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * x, _mm512_permutex2var_epi16(a, il, b));
+      _mm512_storeu_si512(dst + 2 * x + 32, _mm512_permutex2var_epi16(a, ih, b));
+    }
+  }
+}
+
+// pv_tile over key pairs: pp [kn/2][rpad] holds each row's two probabilities as a bf16 pair.
+template <int DV, int RT>
+inline void pv_tile_bf(float* o, int64_t d, const float* corr, const uint32_t* pp, int64_t rpad, int64_t rows,
+                       const uint16_t* vbuf, int64_t kn2) {
+  __m512 acc[RT][DV];
+  for (int r = 0; r < RT; ++r) {
+    const __m512 cr = _mm512_set1_ps(r < rows ? corr[r] : 0.f);
+    for (int x = 0; x < DV; ++x)
+      acc[r][x] = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(o + r * d + 16 * x), cr) : _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < kn2; ++j) {
+    __m512i vv[DV];
+    for (int x = 0; x < DV; ++x) vv[x] = _mm512_loadu_si512(vbuf + j * 2 * d + 32 * x);
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[j * rpad + r]));
+      for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], w, (__m512bh)vv[x]);
+    }
+  }
+  for (int r = 0; r < RT && r < rows; ++r)
+    for (int x = 0; x < DV; ++x) _mm512_storeu_ps(o + r * d + 16 * x, acc[r][x]);
+}
+#endif  // __AVX512BF16__
+
 // One item: positions [i0, i0 + qn) of a chunk, KV head h, its G query heads: R = qn x G rows
 // (row r = position r / G, head r % G). kblock(j) / vblock(j) give key block j's first row
 // and row stride (a block's KB rows never cross a page).
-template <typename T, int64_t KB, typename KF, typename VF>
+// BF: the bf16 dots (Q as dim pairs in qt's space, the block's K and V as bf16, P as key pairs).
+template <typename T, int64_t KB, bool BF, typename KF, typename VF>
 void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, float* out, const Shape& s,
           KF kblock, VF vblock, float* scratch) {
   const int64_t g = s.g, d = s.d, R = qn * g, rpad = (R + 15) / 16 * 16;
-  float* qt = scratch;                    // Q transposed and scaled, [d][rpad]
+  float* qt = scratch;                    // Q transposed and scaled, [d][rpad] (BF: pairs [d / 2][rpad])
   float* o = qt + d * rpad;               // accumulators [R][d]
   float* m = o + rpad * d;                // running max [rpad]
   float* l = m + rpad;                    // running sum [rpad]
   float* corr = l + rpad;                 // this block's rescale of o [rpad]
-  float* p = corr + rpad;                 // this block's probabilities, [16][rpad]
-  std::fill(o, o + R * d, 0.f);
+  float* p = corr + rpad;                 // this block's probabilities, [KB][rpad]
+  // BF only: the block's keys as bf16 rows [KB][d], its values as key pairs [KB / 2][d][2], its
+  // probabilities as key pairs [KB / 2][rpad].
+  uint16_t* kbuf = reinterpret_cast<uint16_t*>(p + KB * rpad);
+  uint16_t* vbuf = kbuf + KB * d;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(vbuf + KB * d);
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
   std::fill(m, m + rpad, -INFINITY);
   std::fill(l, l + rpad, 0.f);
   const float* q0 = q + (c.start + i0) * s.qs0 + h * g * s.qs1;     // row r: position r / g, head r % g
 #if defined(__AVX512F__)
-  // Q transposed 16 rows at a time by gathers (the rows' offsets once a group, then one
-  // gather per dimension): the scalar loop was ~8% of the kernel's time.
-  const int64_t row_span = (QB - 1) * s.qs0 + (g - 1) * s.qs1 + d;
-  if (row_span < (int64_t{1} << 31) / static_cast<int64_t>(sizeof(float))) {
+  // Q scaled (BF: rounded to bf16 pairs) row by row into o's space as [rpad][cw] 32-bit words,
+  // then transposed 16 x 16 words at a time into qt [cw][rpad]. One gather per dimension and 16
+  // rows, as before, was ~15% of the kernel on these cores.
+  const int64_t cw = BF ? d / 2 : d;
+  if (d % (BF ? 32 : 16) == 0) {
+    uint32_t* rows = reinterpret_cast<uint32_t*>(o);
     const __m512 vscale = _mm512_set1_ps(s.scale);
-    for (int64_t r0 = 0; r0 < rpad; r0 += 16) {
-      alignas(64) int32_t off[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t r = std::min<int64_t>(r0 + i, R - 1);
-        off[i] = static_cast<int32_t>((r / g) * s.qs0 + (r % g) * s.qs1);
+    for (int64_t r = 0; r < rpad; ++r) {
+      uint32_t* dst = rows + r * cw;
+      if (r >= R) {
+        std::fill(dst, dst + cw, 0u);
+        continue;
       }
-      const __m512i vo = _mm512_load_si512(off);
-      const __mmask16 live = R - r0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (R - r0)) - 1);
-      for (int64_t x = 0; x < d; ++x) {
-        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, vo, q0 + x, 4);
-        _mm512_storeu_ps(qt + x * rpad + r0, _mm512_mul_ps(v, vscale));
+      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+#if defined(PAGEDKV_PREFILL_BF16)
+      if constexpr (BF) {
+        for (int64_t x = 0; x < d; x += 32) {
+          const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr + x), vscale);
+          const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qr + x + 16), vscale);
+          _mm512_storeu_si512(dst + x / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+        continue;
       }
+#endif
+      for (int64_t x = 0; x < d; x += 16)
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst) + x, _mm512_mul_ps(_mm512_loadu_ps(qr + x), vscale));
     }
+    uint32_t* words = reinterpret_cast<uint32_t*>(qt);
+    for (int64_t r0 = 0; r0 < rpad; r0 += 16)
+      for (int64_t c0 = 0; c0 < cw; c0 += 16) {
+        __m512i t[16];
+        for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(rows + (r0 + i) * cw + c0);
+        transpose16(t);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(words + (c0 + i) * rpad + r0, t[i]);
+      }
   } else
 #endif
-  {
+  if constexpr (BF) {
+    std::fill(qp, qp + (d / 2) * rpad, 0u);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+      for (int64_t x = 0; x < d; x += 2)
+        qp[(x / 2) * rpad + r] = uint32_t{c10::BFloat16(qr[x] * s.scale).x} |
+                                 (uint32_t{c10::BFloat16(qr[x + 1] * s.scale).x} << 16);
+    }
+  } else {
     std::fill(qt, qt + d * rpad, 0.f);
     for (int64_t r = 0; r < R; ++r) {
       const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
       for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = qr[x] * s.scale;
     }
   }
+  std::fill(o, o + R * d, 0.f);   // after the transposition, which used o's space
   const int64_t first_pos = c.context - c.n + i0;
   const int64_t last_key = std::min(c.context - 1, first_pos + qn - 1 + c.offset);   // of any row
   const int64_t blocks = last_key / KB + 1;
@@ -166,9 +345,28 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
     auto [kp, kstride] = kblock(j);
     auto [vp, vstride] = vblock(j);
 #if defined(__AVX512F__)
+    [[maybe_unused]] const uint16_t* kb16 = nullptr;
+    [[maybe_unused]] int64_t kb16_stride = 0;
+#if defined(PAGEDKV_PREFILL_BF16)
+    if constexpr (BF) {
+      if constexpr (std::is_same_v<T, float>) {   // a fresh chunk: round its float32 rows as the store does
+        block_bf(kp, kstride, vp, vstride, kn, d, kbuf, vbuf);
+        kb16 = kbuf;
+        kb16_stride = d;
+      } else {                                    // bf16 pages: K read in place
+        kb16 = reinterpret_cast<const uint16_t*>(kp);
+        kb16_stride = kstride;
+        block_bf(kb16, kstride, reinterpret_cast<const uint16_t*>(vp), vstride, kn, d, kbuf, vbuf);
+      }
+    }
+#endif
     for (int64_t rg = 0; rg < rpad; rg += 48) {
      const int ng = static_cast<int>(std::min<int64_t>(3, (rpad - rg) / 16));
      __m512 sts[KB][3];
+#if defined(PAGEDKV_PREFILL_BF16)
+     if constexpr (BF) qk_groups_bf(ng, qp + rg, rpad, kb16, kb16_stride, kn, d, sts);
+     else
+#endif
      qk_groups<T>(ng, qt + rg, rpad, kp, kstride, kn, d, sts);
      for (int gi = 0; gi < ng; ++gi) {
       const int64_t r0 = rg + 16 * gi;
@@ -204,6 +402,22 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
       _mm512_storeu_ps(m + r0, mn);
      }
     }
+#if defined(PAGEDKV_PREFILL_BF16)
+    if constexpr (BF) {   // d is 64 or 128 (run_prefill's dispatch)
+      const int64_t kn2 = (kn + 1) / 2;
+      for (int64_t jj = 0; jj < kn2; ++jj)
+        for (int64_t r0 = 0; r0 < rpad; r0 += 16) {
+          const __m512 lo = _mm512_loadu_ps(p + 2 * jj * rpad + r0);
+          const __m512 hi = 2 * jj + 1 < kn ? _mm512_loadu_ps(p + (2 * jj + 1) * rpad + r0) : _mm512_setzero_ps();
+          _mm512_storeu_si512(pp + jj * rpad + r0, pack_pairs(lo, hi));
+        }
+      if (d == 64)
+        for (int64_t r0 = 0; r0 < R; r0 += 6) pv_tile_bf<4, 6>(o + r0 * d, d, corr + r0, pp + r0, rpad, R - r0, vbuf, kn2);
+      else
+        for (int64_t r0 = 0; r0 < R; r0 += 3) pv_tile_bf<8, 3>(o + r0 * d, d, corr + r0, pp + r0, rpad, R - r0, vbuf, kn2);
+      continue;
+    }
+#endif
     if (d == 64) {
       for (int64_t r0 = 0; r0 < R; r0 += 6) pv_tile<T, 4, 6>(o + r0 * d, d, corr + r0, p + r0, rpad, R - r0, vp, vstride, kn);
       continue;
@@ -247,7 +461,7 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
   }
 }
 
-template <typename T, int64_t KB>
+template <typename T, int64_t KB, bool BF>
 void run(const std::vector<Chunk>& chunks, const float* q, float* out, const float* fk, const float* fv, const T* kc,
          const T* vc, const int32_t* bt, const Shape& s) {
   // Items: (chunk, KV head, 16 positions), the costliest (most keys) first, one at a time.
@@ -264,7 +478,9 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
 #pragma omp parallel num_threads(nthreads)
   {
     const int64_t rpad = (R + 15) / 16 * 16;
-    std::vector<float> scratch(s.d * rpad + rpad * s.d + 4 * rpad + KB * rpad + 64);
+    // qt, o, m / l / corr / spare, p; then BF's kbuf, vbuf (bf16: KB d each) and pp (KB / 2 rpad
+    // pairs); 64 floats of slack for the tiles' reads past the last row.
+    std::vector<float> scratch(s.d * rpad + rpad * s.d + 4 * rpad + KB * rpad + (BF ? KB * s.d + KB * rpad / 2 : 0) + 64);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t wi = 0; wi < items; ++wi) {
       const Work& w = work[wi];
@@ -273,7 +489,7 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
       if (c.fresh) {   // keys t are rows start + t of this step's k / v
         auto kb = [&](int64_t j) { return std::make_pair(fk + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
         auto vb = [&](int64_t j) { return std::make_pair(fv + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
-        item<float, KB>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+        item<float, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
       } else {         // keys t are in page t / ps of the chunk's block-table row
         const int32_t* row = bt + c.bt_row * s.width;
         auto at = [&](const T* base, int64_t j) {
@@ -283,7 +499,7 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
         };
         auto kb = [&](int64_t j) { return at(kc, j); };
         auto vb = [&](int64_t j) { return at(vc, j); };
-        item<T, KB>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+        item<T, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
       }
     }
   }
@@ -291,14 +507,27 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
 
 }  // namespace
 
+// Whether the bf16 dots were compiled in (-march=native on a CPU with avx512_bf16).
+bool prefill_bf16_dot() {
+#if defined(PAGEDKV_PREFILL_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // chunks [C, 6] int64: (first packed row, query count n, context c, block-table row, fresh 0/1,
 // mask offset: position p sees keys t <= p + offset, 0 for the causal mask).
 // q, out [T, Hq, D] float32; k, v [T, Hkv, D] float32 (this step's rows, any row stride);
 // caches [P, ps, Hkv, D] float32 or bf16, ps a multiple of 16; block_tables [R, W] int32.
+// bf16_dots: the scores and P.V in bf16 pairs with float32 sums (bf16 caches, head size 64 or
+// 128, a build with avx512_bf16; the caller checks the CPU has it, as for the skinny GEMM).
 void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& chunks, double scale) {
+                   const torch::Tensor& chunks, double scale, bool bf16_dots) {
   const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(!bf16_dots || (prefill_bf16_dot() && ct == torch::kBFloat16),
+              "paged_prefill: bf16 dots need a build with avx512_bf16 and a bfloat16 cache");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
                   v.scalar_type() == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16) &&
                   v_cache.scalar_type() == ct,
@@ -339,11 +568,15 @@ void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tens
                 out.stride(1), k.stride(0), static_cast<float>(scale)};
   const bool wide = ps % KB_PAGED == 0;
   if (ct == torch::kFloat) {
-    auto* f = wide ? &run<float, KB_PAGED> : &run<float, KB_MIN>;
+    auto* f = wide ? &run<float, KB_PAGED, false> : &run<float, KB_MIN, false>;
     f(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
       k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, s);
   } else {
-    auto* f = wide ? &run<c10::BFloat16, KB_PAGED> : &run<c10::BFloat16, KB_MIN>;
+    auto* f = wide ? &run<c10::BFloat16, KB_PAGED, false> : &run<c10::BFloat16, KB_MIN, false>;
+#if defined(PAGEDKV_PREFILL_BF16)
+    if (bf16_dots && (d == 64 || d == 128))   // the head sizes the pair tiles cover; others keep float32 dots
+      f = wide ? &run<c10::BFloat16, KB_PAGED, true> : &run<c10::BFloat16, KB_MIN, true>;
+#endif
     f(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
       k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), bt, s);
   }
