@@ -156,6 +156,23 @@ def test_compiled_rms_norm_and_rope_write_match_torch(rows):
         kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, bad, HQ, HKV)
     assert torch.equal(kc, before)
 
+    # A native-bf16 model's q|k|v: widened, rotated in float32 and rounded once, in place, and the
+    # rounded k and v (as they are) stored into bf16 pages.
+    qkv16 = qkv.bfloat16()
+    qk16 = apply_rope(qkv16[:, :(HQ + HKV) * D].float().view(rows, HQ + HKV, D), cos[pos][:, None],
+                      sin[pos][:, None]).bfloat16()
+    kc16, vc16 = torch.zeros(pages, ps, HKV, D, dtype=torch.bfloat16), torch.zeros(pages, ps, HKV, D, dtype=torch.bfloat16)
+    got = qkv16.clone()
+    kern.rope_write(got, cos[pos].contiguous(), sin[pos].contiguous(), kc16, vc16, slots, HQ, HKV)
+    rot = got[:, :(HQ + HKV) * D].view(rows, HQ + HKV, D)
+    # the same float32 products, rounded once: equal but where fma contraction tips a rounding
+    assert (rot.float() - qk16.float()).abs().max() <= 2 ** -7 * qk16.float().abs().max()
+    assert (rot != qk16).float().mean() < 0.01
+    assert torch.equal(kc16.view(-1, HKV, D)[slots], rot[:, HQ:])
+    assert torch.equal(vc16.view(-1, HKV, D)[slots], qkv16[:, (HQ + HKV) * D:].reshape(rows, HKV, D))
+    with pytest.raises(RuntimeError, match="bfloat16 q"):           # bf16 rows into a float32 cache
+        kern.rope_write(qkv16.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV)
+
 
 def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
     need_kernel()
@@ -261,3 +278,24 @@ def test_compiled_prefill_bf16_dots_match_dense_on_the_rounded_values(hq, hkv, d
     assert not torch.equal(out16, out32)
     with pytest.raises(RuntimeError, match="bf16 dots"):  # float32 pages: no bf16 dots
         k.paged_prefill(q, out16, kf, vf, kc.float(), vc.float(), bt, chunks, d ** -0.5, True)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 128)])
+def test_compiled_prefill_takes_bf16_rows_as_the_widened_ones(hq, hkv, d):
+    """A native-bf16 model hands the prefill its bf16 rows (q, fresh k / v, out in bf16): the same
+    result as those rows widened through the float32-input bf16 dots, rounded once (bit for bit)."""
+    from workbench.engine.attention.cpu_paged import prefill_bf16_dots
+    need_kernel()
+    k = native.kernel()
+    if not prefill_bf16_dots(k):
+        pytest.skip("no avx512_bf16 in this build or CPU")
+    q, kf, vf, kc, vc, bt, rows = prefill_case(hq, hkv, d, torch.bfloat16, 32, seed=d, q_scale=2.0, width=4)
+    q16, k16, v16 = q.bfloat16(), kf.bfloat16(), vf.bfloat16()
+    chunks = torch.tensor(rows, dtype=torch.int64)
+    out32 = torch.full(q.shape, float("nan"))
+    k.paged_prefill(q16.float(), out32, k16.float(), v16.float(), kc, vc, bt, chunks, d ** -0.5, True)
+    out16 = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    k.paged_prefill(q16, out16, k16, v16, kc, vc, bt, chunks, d ** -0.5, True)
+    assert not out16.isnan().any() and torch.equal(out16, out32.bfloat16())
+    with pytest.raises(RuntimeError, match="bf16 dots"):              # bf16 rows always take the bf16 dots
+        k.paged_prefill(q16, out16, k16, v16, kc, vc, bt, chunks, d ** -0.5, False)

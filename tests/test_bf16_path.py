@@ -5,8 +5,9 @@ weights and KV pages in bf16 and computes in float32 ("storage", engine/cpu_bf16
 PAGEDKV_BF16=native it computes in bf16 as it would on hardware that has it (emulated here:
 slow, same contract). The tolerance is measured, not assumed: the teacher-forced logits error
 of bf16 against fp32 on the reference's own tokens. A greedy run may leave the fp32 path only
-where fp32 itself is within that error of a tie. Native bf16 computes attention in float32 between
-its bf16 GEMMs (LlamaModel.attention_dtype): the compiled kernels, over the bf16 pages.
+where fp32 itself is within that error of a tie. Native bf16 hands the compiled kernels its bf16 rows
+where they take them (avx512_bf16: prefill's bf16 dots), else computes attention in float32 between
+its bf16 GEMMs (LlamaModel.attention_dtype): the compiled kernels, over the bf16 pages, either way.
 """
 import pytest
 import torch
@@ -96,14 +97,15 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
     check_within_tolerance(eng, fp32, n=len(CHATS) if cpu_bf16.hardware_native() else 4)
     plan = eng.last_batch.attn_plan
     assert plan.decode and isinstance(plan.decode[0], NativeDecode)
-    # attention in float32 between the bf16 GEMMs: the compiled prefill kernel too
-    assert eng.model.attention_dtype(eng.attn, eng.kv.k[0]) == torch.float32
+    # The compiled kernels take bf16 rows where the build and the CPU have avx512_bf16 (prefill's
+    # scores and P.V in bf16 pairs: the outputs above were checked with them); elsewhere attention
+    # runs in float32 between the bf16 GEMMs. The compiled prefill kernel either way.
+    bf16_rows = prefill_bf16_dots()
+    want = torch.bfloat16 if bf16_rows else torch.float32
+    assert eng.model.attention_dtype(eng.attn, eng.kv.k[0]) == want
     eng.generate(CHATS[:1], SamplingParams(max_tokens=1))
     npf = eng.last_batch.attn_plan.native_prefill
-    assert npf is not None
-    # its scores and P.V in bf16 pairs where the build and the CPU have avx512_bf16 (the outputs
-    # above were checked with them); float32 dots elsewhere
-    assert npf.bf16_dots == prefill_bf16_dots()
+    assert npf is not None and npf.bf16_dots == bf16_rows
 
 
 def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(bf16_model, monkeypatch):

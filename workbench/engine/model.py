@@ -25,8 +25,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
             and native.kernel() is not None):
         # one pass, no OpenMP fork at decode sizes; native bf16 rows are widened, normed in float32
         # and rounded once, in the same pass (torch's bf16 formula below makes 6 passes, ~10x the
-        # time at prefill sizes, and rounds twice). float() returns a float32 weight as it is.
-        return native.kernel().rms_norm(x if x.stride(-1) == 1 else x.contiguous(), w.float(), eps)
+        # time at prefill sizes, and rounds twice). A bf16 weight is widened in the kernel.
+        return native.kernel().rms_norm(x if x.stride(-1) == 1 else x.contiguous(), w, eps)
     if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
@@ -89,8 +89,8 @@ class LlamaModel:
         self.layers = [Layer(state_dict, i, cfg, dtype, d, cd, quantized) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
         self.cos, self.sin = cos.to(d, cd), sin.to(d, cd)
-        # Native bf16 on a CPU runs the GEMMs in bf16 and attention in float32 (attention_dtype):
-        # float32 tables for its RoPE.
+        # float32 tables for the compiled RoPE (it rotates in float32, bf16 rows too) and for native
+        # bf16's float32 attention (attention_dtype).
         self.cos32, self.sin32 = (cos.to(d), sin.to(d)) if cd != torch.float32 else (self.cos, self.sin)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -114,15 +114,18 @@ class LlamaModel:
         return self.layers[0].qkv.backend if self.layers else self.lm_head.backend
 
     def attention_dtype(self, attn: AttentionBackend, cache: torch.Tensor | None) -> torch.dtype:
-        """What q, k, v and attention's output are computed in. Native bf16 on a CPU: float32,
-        between the bf16 GEMMs. The compiled kernels (RoPE + K/V store in one pass, paged prefill and
-        decode over bf16 pages) take float32 rows; bf16 would take torch's unfused RoPE, an
-        index_copy per layer and one SDPA call per sequence, ~2x the step's attention time. The
-        pages stay bf16, the widening is exact, and the float32 scores are closer to the float32
-        model than bf16 ones."""
-        if (self.dtype == torch.bfloat16 and self.device.type == "cpu" and cache is not None
-                and attn.fused_rope_write(torch.float32, cache)):
-            return torch.float32
+        """What q, k, v and attention's output are computed in. Native bf16 on a CPU: bf16 where the
+        backend's compiled kernels take bf16 rows (RoPE + K/V store in one pass, prefill with bf16
+        dots, decode widening its few rows: a CPU and a build with avx512_bf16), else float32 between
+        the bf16 GEMMs, where the compiled kernels take float32 rows (the widening is exact; bf16 there
+        would take torch's unfused RoPE, an index_copy per layer and one SDPA call per sequence, ~2x
+        the step's attention time). bf16 rows skip a widening of q|k|v and a narrowing of the output
+        per layer (~3% of a prefill-heavy run)."""
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and cache is not None:
+            if attn.fused_rope_write(torch.bfloat16, cache):
+                return torch.bfloat16
+            if attn.fused_rope_write(torch.float32, cache):
+                return torch.float32
         return self.dtype
 
     @torch.inference_mode()
@@ -133,16 +136,16 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed).to(self.dtype)
         adt = self.attention_dtype(attn, kv.k[0] if kv.k else None)
-        widen = adt != self.dtype                     # native bf16 on a CPU: attention in float32
-        cos, sin = (self.cos32, self.sin32) if widen else (self.cos, self.sin)
+        widen = adt != self.dtype                     # native bf16 without bf16 attention kernels: float32
+        # RoPE and the K/V store in one pass where the backend has it (the compiled CPU kernel
+        # on a plain float32 or bf16 cache; it takes float32 cos / sin); the torch formulas and
+        # write_kv everywhere else.
+        fused = attn.fused_rope_write(adt, kv.k[0]) if kv.k else False
+        cos, sin = (self.cos32, self.sin32) if widen or fused else (self.cos, self.sin)
         cos = cos.index_select(0, batch.positions)
         sin = sin.index_select(0, batch.positions)
         # The step's attention plan, once for every layer; kept on the batch for observers.
-        # Widened for the kernels, the dot products may still round to bf16 (the model's own precision).
-        plan = batch.attn_plan = attn.plan(batch, adt, kv.k[0], self.dtype if widen else None)
-        # RoPE and the K/V store in one pass where the backend has it (the compiled CPU kernel
-        # on a plain float32 cache); the torch formulas and write_kv everywhere else.
-        fused = attn.fused_rope_write(adt, kv.k[0]) if kv.k else False
+        plan = batch.attn_plan = attn.plan(batch, adt, kv.k[0])
         if not fused:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         hooks = self.hooks
@@ -169,7 +172,7 @@ class LlamaModel:
                     hooks.on_kv(i, k, v, batch, q=q)
             else:
                 if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
-                    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+                    cos, sin = cos.to(adt).unsqueeze(1), sin.to(adt).unsqueeze(1)
                     fused = False
                 qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two

@@ -3,11 +3,9 @@
 KV caches are per layer [num_pages, page_size, num_kv_heads, head_dim], the layout
 that flash_attn_with_kvcache and torch_npu's paged attention take.
 
-One step: the model asks the backend for a plan once (plan(batch, q_dtype, cache, dots): the
+One step: the model asks the backend for a plan once (plan(batch, q_dtype, cache): the
 index tensors every layer reuses), keeps it on the batch for observers (batch.attn_plan)
-and hands it to write_kv and forward of every layer. `dots` is the dtype the model allows the
-score and P.V dot products to round their inputs to (a native-bf16 model computing attention
-in float32: bfloat16); None: q's dtype. A backend may ignore it.
+and hands it to write_kv and forward of every layer.
 
 Two seams, so a fault (or a test) changes behaviour through the interface instead of
 the engine guessing what was patched:
@@ -37,8 +35,7 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def plan(self, batch: PackedBatch, q_dtype: torch.dtype, cache: torch.Tensor,
-             dots: torch.dtype | None = None) -> object:
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype, cache: torch.Tensor) -> object:
         """The step's index plan (shared by all layers); it has `pages_read` per layer."""
         raise NotImplementedError
 

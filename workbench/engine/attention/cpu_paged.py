@@ -10,8 +10,10 @@ Prefill (csrc/paged_prefill.cpp) runs every chunk of a step in one call, from th
 entries (NativePrefill below): ~1.7x torch's per-sequence SDPA at prefill-heavy sizes.
 
 It reads float32 and bfloat16 pages (bf16 widened as loaded: half the bytes of a decode
-step's KV traffic). A native-bf16 model (plan's dots=bfloat16) on a CPU with avx512_bf16 gets
-prefill's scores and P.V as bf16 pairs with float32 sums (vdpbf16ps): ~1.6x the float32 dots. It falls back to the torch path, per step, where the kernel does not
+step's KV traffic). A native-bf16 model on a CPU and a build with avx512_bf16 hands it bf16
+rows (q|k|v as its GEMM wrote them, rotated in place by rope_write; the output in bf16), and
+prefill takes its scores and P.V as bf16 pairs with float32 sums (vdpbf16ps): ~1.6x the
+float32 dots; decode widens its few rows. It falls back to the torch path, per step, where the kernel does not
 apply: a float16 or fp16_scaled cache, or a page_reader set through the backend's seam (a
 fault emulating device memory, page_out_of_range unchecked): it must see every page read.
 """
@@ -58,7 +60,7 @@ class NativePrefill:
     chunks: torch.Tensor     # [C, 6] int64: start, n, context, tables row, fresh 0/1, mask offset
     tables: torch.Tensor     # [C, W] int32: the pages each paged chunk reads (its entry's list)
     rest: list               # PrefillSeq entries SDPA runs
-    bf16_dots: bool = False  # scores and P.V in bf16 pairs, float32 sums (see prefill_bf16_dots)
+    bf16_dots: bool = False  # bf16 q / k / v / out, scores and P.V in bf16 pairs with float32 sums
 
 
 def native_prefill_plan(seqs: list) -> NativePrefill | None:
@@ -112,14 +114,25 @@ class CpuPagedAttention(TorchPagedAttention):
                 and q_dtype in (torch.float32, torch.bfloat16) and cache is not None
                 and cache.dtype in NATIVE_CACHE_DTYPES and kv_scale.page_scale(cache) is None)
 
-    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32, cache: torch.Tensor | None = None,
-             dots: torch.dtype | None = None):
+    def bf16_rows_ok(self, cache: torch.Tensor | None) -> bool:
+        """Whether the compiled kernels take a native-bf16 model's bf16 rows over this cache: bf16
+        pages, prefill's bf16 dots compiled in and on this CPU, a head size its pair tiles cover."""
+        return (cache is not None and cache.dtype == torch.bfloat16 and self.head_dim in (64, 128)
+                and prefill_bf16_dots(self.kernel))
+
+    def fused_rope_write(self, q_dtype, cache) -> bool:
+        if q_dtype == torch.bfloat16:          # bf16 q|k|v rotated in place (the prefill then takes them)
+            return super().fused_rope_write(torch.float32, cache) and self.bf16_rows_ok(cache)
+        return super().fused_rope_write(q_dtype, cache)
+
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32, cache: torch.Tensor | None = None):
         plan = super().plan(batch, q_dtype, cache)
-        if (plan.prefill and q_dtype == torch.float32 and self._native_ok(batch, q_dtype, cache)
+        bf16 = q_dtype == torch.bfloat16 and self.bf16_rows_ok(cache)
+        if (plan.prefill and (q_dtype == torch.float32 or bf16) and self._native_ok(batch, q_dtype, cache)
                 and batch.page_size % 16 == 0 and hasattr(self.kernel, "paged_prefill")):
             plan.native_prefill = native_prefill_plan(plan.prefill)
-            if plan.native_prefill is not None and dots == torch.bfloat16 and cache.dtype == torch.bfloat16:
-                plan.native_prefill.bf16_dots = prefill_bf16_dots(self.kernel)
+            if plan.native_prefill is not None:
+                plan.native_prefill.bf16_dots = bf16
         return plan
 
     def prefill_plan(self, q, k, v, k_cache, v_cache, plan, out: torch.Tensor) -> None:

@@ -155,8 +155,8 @@ class NpuPagedAttention(AttentionBackend):
         return m
 
     # ---- planning (once per step) ------------------------------------------------
-    def plan(self, batch: PackedBatch, q_dtype: torch.dtype | None = None, cache: torch.Tensor | None = None,
-             dots: torch.dtype | None = None) -> NpuPlan:
+    def plan(self, batch: PackedBatch, q_dtype: torch.dtype | None = None, cache: torch.Tensor | None = None
+             ) -> NpuPlan:
         bt = batch.block_tables
         if bt.dtype != torch.int32:
             raise RuntimeError(f"block_tables has dtype {bt.dtype}: torch_npu's paged ops take int32 block tables")

@@ -43,7 +43,7 @@ class TorchFallbackAttention(TorchPagedAttention):
         super().__init__(*a, **kw)
         self.bytes_moved = 0     # cache bytes gathered + slot index bytes, all layers, since creation
 
-    def plan(self, batch: PackedBatch, q_dtype=None, cache=None, dots=None) -> FallbackPlan:
+    def plan(self, batch: PackedBatch, q_dtype=None, cache=None) -> FallbackPlan:
         # Only the accounting the engine reports: a paged kernel's page reads, so the
         # bandwidth probe sees the useful bytes and this path's extra work as lost time.
         ps, q, ctx = batch.page_size, batch.query_lens_np, batch.context_lens_np

@@ -76,7 +76,7 @@ class TorchPagedAttention(AttentionBackend):
 
     # ---- planning (once per step) ------------------------------------------
     def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32,
-             cache: torch.Tensor | None = None, dots: torch.dtype | None = None) -> AttentionPlan:
+             cache: torch.Tensor | None = None) -> AttentionPlan:
         qlens, ctx, cu = batch.query_lens_np, batch.context_lens_np, batch.cu_seqlens_q_np
         ps = batch.page_size
         bt = batch.block_tables

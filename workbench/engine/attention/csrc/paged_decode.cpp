@@ -473,42 +473,76 @@ void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BF
 // pass where x.float(), the norm and .to(bf16) were three); w float32, y in x's dtype.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
-                  w.scalar_type() == torch::kFloat,
-              "rms_norm: float32 or bfloat16 rows and a float32 weight only");
+                  (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+              "rms_norm: float32 or bfloat16 rows and weight only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1),
               "rms_norm: x [R, H] (contiguous rows), w [H]");
   const int64_t rows = x.size(0), hdim = x.size(1), xs = x.stride(0);
   auto y = torch::empty({rows, hdim}, x.options());
   const float e = static_cast<float>(eps);
+  // A bf16 weight (a native-bf16 model's) widened here, once a call: a torch .float() from Python
+  // cost ~20 us a call, 3 calls a layer.
+  std::vector<float> wide;
+  const float* wp;
+  if (w.scalar_type() == torch::kFloat) {
+    wp = w.data_ptr<float>();
+  } else {
+    const c10::BFloat16* wb = w.data_ptr<c10::BFloat16>();
+    wide.assign(wb, wb + hdim);
+    wp = wide.data();
+  }
   if (x.scalar_type() == torch::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), xs, w.data_ptr<float>(), y.data_ptr<float>(), rows, hdim, e);
+    rms_norm_rows(x.data_ptr<float>(), xs, wp, y.data_ptr<float>(), rows, hdim, e);
   else
-    rms_norm_rows(x.data_ptr<c10::BFloat16>(), xs, w.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), rows, hdim, e);
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), xs, wp, y.data_ptr<c10::BFloat16>(), rows, hdim, e);
   return y;
 }
 
-// In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
-// as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
-// slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
-template <typename T>
-inline void store_row(T* dst, const float* src, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
+// A row into a cache slot: copied, or rounded to the cache's bf16.
+template <typename T, typename S>
+inline void store_row(T* dst, const S* src, int64_t n) {
+  if constexpr (std::is_same_v<T, S>) {
     std::copy(src, src + n, dst);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);   // round to nearest even, as torch's .to()
   }
 }
 
+// RoPE of one head x [d] in place: x[i], x[i + d/2] rotated by (cos, sin) in float32. bf16 rows
+// (a native-bf16 model's q|k) are widened, rotated and rounded once, as torch's bf16 ops round.
+inline void rotate(float* x, const float* c, const float* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], bb = x[i + half];
+    x[i] = a * c[i] - bb * s[i];
+    x[i + half] = bb * c[i + half] + a * s[i + half];
+  }
+}
+
+inline void rotate(c10::BFloat16* x, const float* c, const float* s, int64_t half) {
+  float w[512];
+  for (int64_t i = 0; i < 2 * half; ++i) w[i] = static_cast<float>(x[i]);
+  rotate(w, c, s, half);
+  for (int64_t i = 0; i < 2 * half; ++i) x[i] = c10::BFloat16(w[i]);
+}
+
+// In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
+// as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
+// slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
 void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                 torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv) {
-  const auto ct = k_cache.scalar_type();
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
-                  sin.scalar_type() == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16) &&
-                  v_cache.scalar_type() == ct, "rope_write: float32 q|k|v, a float32 or bfloat16 cache");
+  const auto ct = k_cache.scalar_type(), xt = qkv.scalar_type();
+  TORCH_CHECK(((xt == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16)) ||
+               (xt == torch::kBFloat16 && ct == torch::kBFloat16)) && cos.scalar_type() == torch::kFloat &&
+                  sin.scalar_type() == torch::kFloat && v_cache.scalar_type() == ct,
+              "rope_write: float32 q|k|v with a float32 or bfloat16 cache, or bfloat16 q|k|v with a bfloat16 cache; "
+              "float32 cos / sin");
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && slots.is_contiguous(), "rope_write: contiguous tensors only");
   TORCH_CHECK(slots.scalar_type() == torch::kLong, "rope_write: slots must be int64");
   const int64_t t_n = qkv.size(0), d = k_cache.size(3), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && (xt == torch::kFloat || d <= 512), "rope_write: head size ", d,
+              " is not even (or over 512 in bf16)");
   TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && k_cache.size(2) == hkv && cos.size(0) == t_n &&
                   cos.size(1) == d && sin.sizes() == cos.sizes() && slots.numel() == t_n,
               "rope_write: shapes disagree");
@@ -517,33 +551,26 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   for (int64_t t = 0; t < t_n; ++t)       // validate first: a bad slot writes nothing anywhere
     TORCH_CHECK_INDEX(sl[t] >= 0 && sl[t] < num_slots, "index ", sl[t], " is out of bounds for dimension 0 "
                       "with size ", num_slots, " (rope_write: slot of token ", t, ")");
-  float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  auto body = [&](auto* kc, auto* vc) {
+  auto body = [&](auto* base, auto* kc, auto* vc) {
   at::parallel_for(0, t_n, 64, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      float* row = base + t * width;
+      auto* row = base + t * width;
       const float* c = cp + t * d;
       const float* s = sp + t * d;
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        float* x = row + h * d;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i], bb = x[i + half];
-          x[i] = a * c[i] - bb * s[i];
-          x[i + half] = bb * c[i + half] + a * s[i + half];
-        }
-      }
+      for (int64_t h = 0; h < hq + hkv; ++h) rotate(row + h * d, c, s, half);
       store_row(kc + sl[t] * kv, row + hq * d, kv);
       store_row(vc + sl[t] * kv, row + hq * d + kv, kv);
     }
   });
   };
-  if (ct == torch::kFloat)
-    body(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  if (xt == torch::kBFloat16)
+    body(qkv.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else if (ct == torch::kFloat)
+    body(qkv.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else
-    body(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+    body(qkv.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
 }
 
 // Per-row max |x| of x [R, C] (contiguous rows), NaN-propagating like torch.amax: the
@@ -610,7 +637,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("absmax", &absmax, "max |x| over a tensor, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16, CPU)", py::call_guard<py::gil_scoped_release>());
-  m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v, float32 / bf16 cache, CPU)",
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v with a float32 / bf16 cache, or bf16 "
+        "q|k|v with a bf16 cache, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -264,8 +264,9 @@ inline void pv_tile_bf(float* o, int64_t d, const float* corr, const uint32_t* p
 // (row r = position r / G, head r % G). kblock(j) / vblock(j) give key block j's first row
 // and row stride (a block's KB rows never cross a page).
 // BF: the bf16 dots (Q as dim pairs in qt's space, the block's K and V as bf16, P as key pairs).
-template <typename T, int64_t KB, bool BF, typename KF, typename VF>
-void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, float* out, const Shape& s,
+// Q: the dtype of q and out (float32, or bf16 with BF: a native-bf16 model's rows, no widening).
+template <typename T, typename Q, int64_t KB, bool BF, typename KF, typename VF>
+void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const Q* q, Q* out, const Shape& s,
           KF kblock, VF vblock, float* scratch) {
   const int64_t g = s.g, d = s.d, R = qn * g, rpad = (R + 15) / 16 * 16;
   float* qt = scratch;                    // Q transposed and scaled, [d][rpad] (BF: pairs [d / 2][rpad])
@@ -282,7 +283,7 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
   uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
   std::fill(m, m + rpad, -INFINITY);
   std::fill(l, l + rpad, 0.f);
-  const float* q0 = q + (c.start + i0) * s.qs0 + h * g * s.qs1;     // row r: position r / g, head r % g
+  const Q* q0 = q + (c.start + i0) * s.qs0 + h * g * s.qs1;     // row r: position r / g, head r % g
 #if defined(__AVX512F__)
   // Q scaled (BF: rounded to bf16 pairs) row by row into o's space as [rpad][cw] 32-bit words,
   // then transposed 16 x 16 words at a time into qt [cw][rpad]. One gather per dimension and 16
@@ -297,19 +298,19 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
         std::fill(dst, dst + cw, 0u);
         continue;
       }
-      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+      const Q* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
 #if defined(PAGEDKV_PREFILL_BF16)
       if constexpr (BF) {
         for (int64_t x = 0; x < d; x += 32) {
-          const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr + x), vscale);
-          const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qr + x + 16), vscale);
+          const __m512 a = _mm512_mul_ps(pagedkv::load16(qr + x), vscale);
+          const __m512 b = _mm512_mul_ps(pagedkv::load16(qr + x + 16), vscale);
           _mm512_storeu_si512(dst + x / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
         continue;
       }
 #endif
       for (int64_t x = 0; x < d; x += 16)
-        _mm512_storeu_ps(reinterpret_cast<float*>(dst) + x, _mm512_mul_ps(_mm512_loadu_ps(qr + x), vscale));
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst) + x, _mm512_mul_ps(pagedkv::load16(qr + x), vscale));
     }
     uint32_t* words = reinterpret_cast<uint32_t*>(qt);
     for (int64_t r0 = 0; r0 < rpad; r0 += 16)
@@ -324,16 +325,16 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
   if constexpr (BF) {
     std::fill(qp, qp + (d / 2) * rpad, 0u);
     for (int64_t r = 0; r < R; ++r) {
-      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+      const Q* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
       for (int64_t x = 0; x < d; x += 2)
-        qp[(x / 2) * rpad + r] = uint32_t{c10::BFloat16(qr[x] * s.scale).x} |
-                                 (uint32_t{c10::BFloat16(qr[x + 1] * s.scale).x} << 16);
+        qp[(x / 2) * rpad + r] = uint32_t{c10::BFloat16(pagedkv::to_float(qr[x]) * s.scale).x} |
+                                 (uint32_t{c10::BFloat16(pagedkv::to_float(qr[x + 1]) * s.scale).x} << 16);
     }
   } else {
     std::fill(qt, qt + d * rpad, 0.f);
     for (int64_t r = 0; r < R; ++r) {
-      const float* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
-      for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = qr[x] * s.scale;
+      const Q* qr = q0 + (r / g) * s.qs0 + (r % g) * s.qs1;
+      for (int64_t x = 0; x < d; ++x) qt[x * rpad + r] = pagedkv::to_float(qr[x]) * s.scale;
     }
   }
   std::fill(o, o + R * d, 0.f);   // after the transposition, which used o's space
@@ -455,14 +456,23 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const float* q, flo
       }
   }
   for (int64_t r = 0; r < R; ++r) {
-    float* dst = out + (c.start + i0 + r / g) * s.os0 + (h * g + r % g) * s.os1;
+    Q* dst = out + (c.start + i0 + r / g) * s.os0 + (h * g + r % g) * s.os1;
     const float inv = 1.f / l[r];
-    for (int64_t x = 0; x < d; ++x) dst[x] = o[r * d + x] * inv;
+#if defined(PAGEDKV_PREFILL_BF16)
+    if constexpr (!std::is_same_v<Q, float>) {   // bf16 out: rounded once (d is 64 or 128 here)
+      const __m512 vi = _mm512_set1_ps(inv);
+      for (int64_t x = 0; x < d; x += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), vi)));
+      continue;
+    }
+#endif
+    for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<Q>(o[r * d + x] * inv);
   }
 }
 
-template <typename T, int64_t KB, bool BF>
-void run(const std::vector<Chunk>& chunks, const float* q, float* out, const float* fk, const float* fv, const T* kc,
+template <typename T, typename Q, int64_t KB, bool BF>
+void run(const std::vector<Chunk>& chunks, const Q* q, Q* out, const Q* fk, const Q* fv, const T* kc,
          const T* vc, const int32_t* bt, const Shape& s) {
   // Items: (chunk, KV head, 16 positions), the costliest (most keys) first, one at a time.
   struct Work { int64_t chunk, i0, h, keys; };
@@ -489,7 +499,7 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
       if (c.fresh) {   // keys t are rows start + t of this step's k / v
         auto kb = [&](int64_t j) { return std::make_pair(fk + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
         auto vb = [&](int64_t j) { return std::make_pair(fv + (c.start + j * KB) * s.fresh_stride + hoff, s.fresh_stride); };
-        item<float, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+        item<Q, Q, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
       } else {         // keys t are in page t / ps of the chunk's block-table row
         const int32_t* row = bt + c.bt_row * s.width;
         auto at = [&](const T* base, int64_t j) {
@@ -499,7 +509,7 @@ void run(const std::vector<Chunk>& chunks, const float* q, float* out, const flo
         };
         auto kb = [&](int64_t j) { return at(kc, j); };
         auto vb = [&](int64_t j) { return at(vc, j); };
-        item<T, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
+        item<T, Q, KB, BF>(c, w.i0, qn, w.h, q, out, s, kb, vb, scratch.data());
       }
     }
   }
@@ -525,13 +535,14 @@ bool prefill_bf16_dot() {
 void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& chunks, double scale, bool bf16_dots) {
-  const auto ct = k_cache.scalar_type();
+  const auto ct = k_cache.scalar_type(), qt = q.scalar_type();
   TORCH_CHECK(!bf16_dots || (prefill_bf16_dot() && ct == torch::kBFloat16),
               "paged_prefill: bf16 dots need a build with avx512_bf16 and a bfloat16 cache");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                  v.scalar_type() == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16) &&
+  TORCH_CHECK((qt == torch::kFloat || qt == torch::kBFloat16) && out.scalar_type() == qt && k.scalar_type() == qt &&
+                  v.scalar_type() == qt && (ct == torch::kFloat || ct == torch::kBFloat16) &&
                   v_cache.scalar_type() == ct,
-              "paged_prefill: float32 q / k / v / out and a float32 or bfloat16 cache only");
+              "paged_prefill: q / k / v / out of one dtype (float32, or bfloat16 with bf16 dots) and a float32 or "
+              "bfloat16 cache only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
                   out.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
                   v.stride(1) == v.size(2) && k.stride(0) == v.stride(0),
@@ -567,15 +578,26 @@ void paged_prefill(const torch::Tensor& q, torch::Tensor& out, const torch::Tens
   const Shape s{hq, hkv, hq / hkv, d, ps, ps * hkv * d, hkv * d, width, q.stride(0), q.stride(1), out.stride(0),
                 out.stride(1), k.stride(0), static_cast<float>(scale)};
   const bool wide = ps % KB_PAGED == 0;
+  if (qt == torch::kBFloat16) {   // a native-bf16 model's rows as they are: bf16 dots, bf16 out
+    TORCH_CHECK(bf16_dots && (d == 64 || d == 128),
+                "paged_prefill: bfloat16 q / k / v take bf16 dots and a head size of 64 or 128");
+#if defined(PAGEDKV_PREFILL_BF16)
+    using B = c10::BFloat16;
+    auto* f = wide ? &run<B, B, KB_PAGED, true> : &run<B, B, KB_MIN, true>;
+    f(cs, q.data_ptr<B>(), out.data_ptr<B>(), k.data_ptr<B>(), v.data_ptr<B>(), k_cache.data_ptr<B>(),
+      v_cache.data_ptr<B>(), bt, s);
+#endif
+    return;
+  }
   if (ct == torch::kFloat) {
-    auto* f = wide ? &run<float, KB_PAGED, false> : &run<float, KB_MIN, false>;
+    auto* f = wide ? &run<float, float, KB_PAGED, false> : &run<float, float, KB_MIN, false>;
     f(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
       k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, s);
   } else {
-    auto* f = wide ? &run<c10::BFloat16, KB_PAGED, false> : &run<c10::BFloat16, KB_MIN, false>;
+    auto* f = wide ? &run<c10::BFloat16, float, KB_PAGED, false> : &run<c10::BFloat16, float, KB_MIN, false>;
 #if defined(PAGEDKV_PREFILL_BF16)
     if (bf16_dots && (d == 64 || d == 128))   // the head sizes the pair tiles cover; others keep float32 dots
-      f = wide ? &run<c10::BFloat16, KB_PAGED, true> : &run<c10::BFloat16, KB_MIN, true>;
+      f = wide ? &run<c10::BFloat16, float, KB_PAGED, true> : &run<c10::BFloat16, float, KB_MIN, true>;
 #endif
     f(cs, q.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
       k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), bt, s);
