@@ -271,6 +271,8 @@ def test_doctor_subprocess(tmp_path):
     if cpu_bf16.mode() == "native":                               # and which kernel runs decode-sized linears
         from workbench.engine import skinny_gemm
         assert ("bf16 pair kernel (vdpbf16ps)" in bf16_line) == skinny_gemm.bf16_pairs(), bf16_line
+        from workbench.engine.attention.cpu_paged import prefill_bf16_dots   # and how attention runs
+        assert ("prefill dots in bf16 pairs" in bf16_line) == prefill_bf16_dots(), bf16_line
 
     # second run reads the cache; --no-cache measures again
     again = _run([sys.executable, "-m", "workbench.cli", "doctor"], tmp_path)

@@ -126,6 +126,12 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
         else:
             report["bf16_path"] += ("; no bf16 pair kernel (no avx512_bf16 in this build or CPU): the float32 "
                                     "skinny GEMM over the bf16 weights up to %d rows" % NATIVE_BF16_WIDENING_ROWS)
+        from workbench.engine.attention.cpu_paged import prefill_bf16_dots
+        report["bf16_attention_rows"] = native.kernel() is not None and prefill_bf16_dots()
+        report["bf16_path"] += ("; attention: bf16 rows into the compiled kernels, prefill dots in bf16 pairs "
+                                "(vdpbf16ps)" if report["bf16_attention_rows"] else
+                                "; attention: float32 between the bf16 GEMMs (no bf16 prefill dots in this build "
+                                "or CPU)")
     report["npu"] = dev_mod.npu_info()
     report["npu_backend"] = _npu_backend() if report["npu"] is not None else None
     return report
