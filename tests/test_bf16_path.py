@@ -106,6 +106,15 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
     eng.generate(CHATS[:1], SamplingParams(max_tokens=1))
     npf = eng.last_batch.attn_plan.native_prefill
     assert npf is not None and npf.bf16_dots == bf16_rows
+    # A page_reader (a fault seam) takes the kernels out: float32 attention then, not torch's bf16 SDPA.
+    attn = eng.attn
+    attn.page_reader = lambda cache, pages, rows, dtype: attn.gather(cache, pages, rows, dtype)
+    try:
+        assert eng.model.attention_dtype(attn, eng.kv.k[0]) == torch.float32
+        out = eng.generate(CHATS[:1], SamplingParams(max_tokens=2))[0]
+        assert len(out.token_ids) == 2 and eng.last_batch.attn_plan.native_prefill is None
+    finally:
+        attn.page_reader = None
 
 
 def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(bf16_model, monkeypatch):

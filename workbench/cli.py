@@ -129,7 +129,7 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
         from workbench.engine.attention.cpu_paged import prefill_bf16_dots
         report["bf16_attention_rows"] = native.kernel() is not None and prefill_bf16_dots()
         report["bf16_path"] += ("; attention: bf16 rows into the compiled kernels, prefill dots in bf16 pairs "
-                                "(vdpbf16ps)" if report["bf16_attention_rows"] else
+                                "(vdpbf16ps; head sizes 64 / 128, else float32)" if report["bf16_attention_rows"] else
                                 "; attention: float32 between the bf16 GEMMs (no bf16 prefill dots in this build "
                                 "or CPU)")
     report["npu"] = dev_mod.npu_info()

@@ -116,9 +116,11 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def bf16_rows_ok(self, cache: torch.Tensor | None) -> bool:
         """Whether the compiled kernels take a native-bf16 model's bf16 rows over this cache: bf16
-        pages, prefill's bf16 dots compiled in and on this CPU, a head size its pair tiles cover."""
+        pages, prefill's bf16 dots compiled in and on this CPU, a head size its pair tiles cover, and
+        no page_reader (a fault seam: the kernels step aside for it, and then float32 attention is
+        what runs, not torch's per-sequence bf16 SDPA)."""
         return (cache is not None and cache.dtype == torch.bfloat16 and self.head_dim in (64, 128)
-                and prefill_bf16_dots(self.kernel))
+                and self.page_reader is None and prefill_bf16_dots(self.kernel))
 
     def fused_rope_write(self, q_dtype, cache) -> bool:
         if q_dtype == torch.bfloat16:          # bf16 q|k|v rotated in place (the prefill then takes them)

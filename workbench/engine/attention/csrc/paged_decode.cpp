@@ -470,7 +470,7 @@ void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BF
 }
 
 // float32 rows, or bfloat16 ones widened, normed in float32 and rounded once (native bf16: one
-// pass where x.float(), the norm and .to(bf16) were three); w float32, y in x's dtype.
+// pass where x.float(), the norm and .to(bf16) were three); w float32 or bf16, y in x's dtype.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
                   (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
@@ -626,8 +626,8 @@ bool prefill_bf16_dot();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while it runs, as torch's own ops do: submitter threads keep going.
-  m.def("paged_prefill", &paged_prefill, "causal prefill attention of every chunk of a step (float32 q, fresh rows "
-        "or float32 / bf16 pages, CPU)", py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
+  m.def("paged_prefill", &paged_prefill, "causal prefill attention of every chunk of a step (float32 q / k / v / out, or "
+        "bf16 with bf16_dots; fresh rows or float32 / bf16 pages, CPU)", py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("chunks"), py::arg("scale"), py::arg("bf16_dots") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_bf16_dot", &prefill_bf16_dot, "whether paged_prefill's bf16 dots (avx512_bf16) were compiled in");

@@ -7,7 +7,7 @@
 //
 // Keys and values of a chunk come from one of two places, as in the torch path it replaces:
 // - a chunk that is its sequence's whole context reads the fresh k / v rows of this step
-//   (float32, rows `fresh_stride` apart in the packed q|k|v buffer);
+//   (float32, or a native-bf16 model's bf16; rows `fresh_stride` apart in the packed q|k|v buffer);
 // - a chunk after a prefix hit or an earlier chunk reads its whole context from the pages
 //   through the block table (float32 or bfloat16 pages, widened as loaded).
 // Query position i of a chunk of n over context c sits at c - n + i: causal, bottom-right.
@@ -404,7 +404,7 @@ void item(const Chunk& c, int64_t i0, int64_t qn, int64_t h, const Q* q, Q* out,
      }
     }
 #if defined(PAGEDKV_PREFILL_BF16)
-    if constexpr (BF) {   // d is 64 or 128 (run_prefill's dispatch)
+    if constexpr (BF) {   // d is 64 or 128 (paged_prefill's dispatch)
       const int64_t kn2 = (kn + 1) / 2;
       for (int64_t jj = 0; jj < kn2; ++jj)
         for (int64_t r0 = 0; r0 < rpad; r0 += 16) {
@@ -528,7 +528,8 @@ bool prefill_bf16_dot() {
 
 // chunks [C, 6] int64: (first packed row, query count n, context c, block-table row, fresh 0/1,
 // mask offset: position p sees keys t <= p + offset, 0 for the causal mask).
-// q, out [T, Hq, D] float32; k, v [T, Hkv, D] float32 (this step's rows, any row stride);
+// q, out [T, Hq, D], k, v [T, Hkv, D] (this step's rows, any row stride): float32, or all bf16
+// with bf16_dots (a native-bf16 model's rows, no widening; out rounded once);
 // caches [P, ps, Hkv, D] float32 or bf16, ps a multiple of 16; block_tables [R, W] int32.
 // bf16_dots: the scores and P.V in bf16 pairs with float32 sums (bf16 caches, head size 64 or
 // 128, a build with avx512_bf16; the caller checks the CPU has it, as for the skinny GEMM).
