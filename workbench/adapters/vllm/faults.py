@@ -26,12 +26,17 @@ FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_ke
 
 
 class FaultSwitch:
-    def __init__(self, path: str | None):
+    """Which faults are on, re-read from the file when it changes. A bad file (unreadable, not JSON,
+    not {"faults": [names]}, an unknown name) switches every fault off and says why, once per
+    change of the file, through on_error: it never raises into vLLM."""
+
+    def __init__(self, path: str | None, on_error=None):
         self.path = path
         self.active: frozenset[str] = frozenset()
         self._mtime = None
         self._checked = 0.0
         self.errors: list[str] = []
+        self.on_error = on_error
 
     def on(self, name: str) -> bool:
         if self.path is None:
@@ -52,15 +57,32 @@ class FaultSwitch:
             return
         self._mtime = mtime
         try:
-            with open(self.path) as f:
-                names = json.load(f).get("faults", [])
-            unknown = [n for n in names if n not in FAULTS]
-            if unknown:
-                raise ValueError(f"unknown vLLM faults {unknown}; known: {', '.join(FAULTS)}")
-            self.active = frozenset(names)
-        except (OSError, ValueError, AttributeError) as e:
-            self.errors.append(f"{self.path}: {e}")
+            self.active = frozenset(read_fault_file(self.path))
+        except (OSError, ValueError) as e:
             self.active = frozenset()
+            self.errors.append(str(e))
+            del self.errors[:-20]
+            if self.on_error is not None:
+                self.on_error(f"{e}; no vLLM fault is planted")
+
+
+def read_fault_file(path: str) -> list[str]:
+    """The fault names in a fault file; ValueError naming the file and what is wrong."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"fault file {path}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or "faults" not in doc:
+        raise ValueError(f'fault file {path}: want an object {{"faults": [names]}}, got {text[:60]!r}')
+    names = doc["faults"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f'fault file {path}: "faults" must be a list of names, got {names!r}'[:200])
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise ValueError(f"fault file {path}: unknown vLLM faults {unknown}; known: {', '.join(FAULTS)}")
+    return names
 
 
 def write_fault_file(path: str, *names: str) -> None:

@@ -1,260 +1,177 @@
-"""Where the plugin wraps vLLM (0.32, V1 engine), and how it reads vLLM's state for the checks.
+"""Where the plugin hooks vLLM, installed once per process; each hook on its own, none fatal.
 
-Three wraps, each a thin call around vLLM's own method, installed once per process:
+On what every step path and every model runner shares (issue 26):
 
-  EngineCore.step              after each step (engine-core process): the block pool
-                               against the KV cache manager and the scheduler, a pool
-                               snapshot for the page map, the step's time
-  GPUModelRunner.execute_model (worker process): remembers the runner and this step's
-                               SchedulerOutput while the step builds its metadata
-  AttentionGroup.build_metadata every backend's metadata build goes through it with vLLM's
-                               CommonAttentionMetadata (CPU, CUDA and vllm-ascend alike):
-                               checked before the backend builds from it
+  engine core   Scheduler.schedule / Scheduler.update_from_output (and subclasses: the
+                AsyncScheduler, any platform's): both EngineCore.step and
+                EngineCore.step_with_batch_queue (async scheduling, pipeline parallel) call
+                them. Scheduler.__init__ reports which path vLLM picked (the status line).
+  worker        AttentionMetadataBuilder.build on every backend's builder (CPU, CUDA,
+                vllm-ascend, v1 and v2 runners), now and as later imports define them;
+                execute_model on every model runner class that defines it (V1 GPU / CPU,
+                V2, NPUModelRunner) for the step's SchedulerOutput; the V2 runner's
+                prepare_inputs for its row order; initialize_kv_cache for the status line.
+  fault seam    Scheduler._free_request_blocks (faults.py's abort leak).
 
-and one fault seam (Scheduler._free_request_blocks) that faults.py uses. Everything
-vLLM-specific is read here; the checks themselves are sanitizer.py's. A check that fails
-to run sends an error and vLLM carries on: the plugin never breaks the engine it watches.
+A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
+the rest install. Every callback runs inside try/except: an exception of ours is one log
+line, and vLLM's own call always runs with vLLM's own arguments.
 """
 from __future__ import annotations
 
-import multiprocessing
-import os
 import time
 
-import numpy as np
-
-from . import faults, sanitizer
-from .stream import Publisher
+from . import faults
+from . import status as st
+from .engine_side import PoolWatch
+from .patching import wrap_family
+from .reporter import Reporter
+from .worker_side import MetadataWatch
 
 _installed = False
+REP: Reporter | None = None
+POOL: PoolWatch | None = None
+META: MetadataWatch | None = None
 
 
-class _State:
-    """Per process: the publisher (made on first use), counters and what was already reported."""
-
-    def __init__(self, address: str, pool_every: int, fault_file: str | None):
-        self.address = address
-        self.pool_every = max(1, pool_every)
-        self.switch = faults.FaultSwitch(fault_file)
-        self.pub: Publisher | None = None
-        self.step = 0                         # engine steps seen (engine-core process)
-        self.worker_step = 0                  # model executions seen (worker process)
-        self.current = None                   # (runner, scheduler_output) while a step executes
-        self.checked = False                  # this step's metadata already checked
-        self.names: dict[str, int] = {}       # request id -> owner index, for the requests holding blocks
-        self.next_name = 0
-        self.last_holder: dict[int, str] = {}
-        self.reported: set = set()            # persistent conditions are reported once
-        self.check_s = 0.0
-        self.checks = 0                       # metadata checks run (worker process)
-
-    def publisher(self) -> Publisher:
-        if self.pub is None:
-            self.pub = Publisher(self.address)
-            import vllm
-            self.pub.send(b"hello", {"pid": os.getpid(), "process": multiprocessing.current_process().name,
-                                     "vllm_version": getattr(vllm, "__version__", "?")})
-            time.sleep(0.05)                  # let the connection settle so the first findings arrive
-        return self.pub
-
-    def report(self, findings: list[dict]) -> None:
-        pub = self.publisher()
-        for f in findings:
-            if f["probe"] == sanitizer.PROBE_METADATA:        # once per request and tensor, not per step
-                key = (f["probe"], f["kind"], f["evidence"].get("copy"), f["request_id"])
-            else:
-                key = (f["probe"], f["kind"], f["request_id"], f["page"])
-            if key in self.reported:
-                continue
-            if len(self.reported) > 100_000:      # bounded: a fault left on for days must not grow vLLM
-                self.reported.clear()
-            self.reported.add(key)
-            pub.send(b"finding", f)
-
-    def error(self, where: str, e: BaseException) -> None:
-        try:
-            self.publisher().send(b"error", {"message": f"{where}: {type(e).__name__}: {e}", "step": self.step})
-        except Exception:
-            pass
-
-
-STATE: _State | None = None
-
-
-def install(address: str, pool_every: int = 1, fault_file: str | None = None) -> None:
-    global _installed, STATE
+def install(settings) -> None:
+    global _installed, REP, POOL, META
     if _installed:
         return
     _installed = True
-    STATE = _State(address, pool_every, fault_file)
+    REP = Reporter(settings.address)
+    POOL = PoolWatch(REP, settings)
+    META = MetadataWatch(REP, settings)
+    for name, fn in (("engine core hooks", _engine_core), ("worker hooks", _worker), ("fault seams", _seams)):
+        try:
+            fn()
+        except Exception as e:                   # another vLLM: say what did not match, install the rest
+            check = {"engine core hooks": st.CHECK_POOL, "worker hooks": st.CHECK_METADATA}.get(name, st.CHECK_FAULTS)
+            REP.status(st.CheckStatus(check, False, reason=f"{name} not installed: {type(e).__name__}: {e} "
+                                                           f"(vLLM {_vllm_version()})"))
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+        return getattr(vllm, "__version__", "?")
+    except Exception:
+        return "?"
+
+
+def _guard(where: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        REP.error(where, e)
+
+
+def _engine_core() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.utils import AttentionGroup
 
-    step, execute, build, free_blocks = (EngineCore.step, GPUModelRunner.execute_model,
-                                         AttentionGroup.build_metadata, Scheduler._free_request_blocks)
+    def schedule(orig):
+        def hook(self, *a, outer, **kw):
+            t0 = time.perf_counter()
+            so = orig(self, *a, **kw)
+            if outer:
+                _guard("pool ledger", POOL.on_schedule, self, so, t0)
+            return so
+        return hook
 
-    def engine_step(self, *a, **kw):
-        t0 = time.perf_counter()
-        out = step(self, *a, **kw)
-        dt = time.perf_counter() - t0
-        try:
-            after_step(self.scheduler, dt)
-        except Exception as e:                # never into vLLM
-            STATE.error("pool check", e)
-        return out
+    def update_from_output(orig):
+        def hook(self, scheduler_output, *a, outer, **kw):
+            out = orig(self, scheduler_output, *a, **kw)
+            if outer:
+                _guard("pool check", POOL.on_update, self, scheduler_output)
+            return out
+        return hook
 
-    def execute_model(self, scheduler_output, *a, **kw):
-        STATE.current, STATE.checked = (self, scheduler_output), False
-        STATE.worker_step += 1
-        try:
-            return execute(self, scheduler_output, *a, **kw)
-        finally:
-            STATE.current = None
+    def scheduler_init(orig):
+        # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
+        def hook(self, *a, outer, **kw):
+            orig(self, *a, **kw)
+            if outer:
+                _guard("status", POOL.on_scheduler_ready, self)
+        return hook
 
-    def build_metadata(self, common_attn_metadata, *a, **kw):
-        cm = common_attn_metadata
-        try:
-            cm = faults.metadata(STATE.switch, cm, self.kv_cache_spec.block_size)
-            if STATE.current is not None and not STATE.checked:
-                STATE.checked = True
-                check_metadata(cm, *STATE.current, self.kv_cache_spec.block_size)
-        except Exception as e:
-            STATE.error("metadata check", e)
-        return build(self, cm, *a, **kw)
-
-    def free_request_blocks(self, request):
-        if faults.skip_free(STATE.switch, request):
-            return
-        return free_blocks(self, request)
-
-    EngineCore.step = engine_step
-    GPUModelRunner.execute_model = execute_model
-    AttentionGroup.build_metadata = build_metadata
-    Scheduler._free_request_blocks = free_request_blocks
+    wrap_family(Scheduler, "schedule", schedule)
+    wrap_family(Scheduler, "update_from_output", update_from_output)
+    wrap_family(Scheduler, "__init__", scheduler_init)
 
 
-# ---- reading vLLM's state ---------------------------------------------------------------
-def _np(t, n=None):
-    a = t.detach().to("cpu") if hasattr(t, "detach") else t
-    a = np.asarray(a)
-    return a if n is None else a[:n]
+def _runner_bases() -> list[type]:
+    """The model runner families this vLLM has: V1 (GPU, CPU, NPU v1 subclass it), V2 (NPU v2)."""
+    bases = []
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+    bases.append(V1)
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+        bases.append(V2)
+    except Exception as e:                       # the V2 runner needs what this build may lack
+        st.problem(f"the V2 model runner is not importable here ({type(e).__name__}: {e}); "
+                   f"its metadata is checked only where it imports")
+    return bases
 
 
-def check_metadata(cm, runner, sched_out, block_size: int) -> None:
-    t0 = time.perf_counter()
-    n = int(cm.num_reqs)
-    req_ids = list(runner.input_batch.req_ids[:n])
-    computed = {d.req_id: d.num_computed_tokens for d in sched_out.scheduled_new_reqs}
-    cached = sched_out.scheduled_cached_reqs
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    starts = [computed.get(r, runner.requests[r].num_computed_tokens) for r in req_ids]
-    q = [sched_out.num_scheduled_tokens.get(r, 0) for r in req_ids]
-    pages = [list(runner.requests[r].block_ids[0]) for r in req_ids]
-    t = int(cm.num_actual_tokens)
-    kv_cfg = getattr(runner, "kv_cache_config", None)
-    findings = sanitizer.metadata_findings(
-        STATE.worker_step, req_ids, starts, q, pages, block_size, getattr(kv_cfg, "num_blocks", None),
-        query_start_loc=_np(cm.query_start_loc_cpu, n + 1), seq_lens=_np(cm.seq_lens, n),
-        block_table=_np(cm.block_table_tensor, n), slot_mapping=_np(cm.slot_mapping, t),
-        positions=None if cm.positions is None else _np(cm.positions, t))
-    STATE.check_s += time.perf_counter() - t0
-    STATE.checks += 1
-    if STATE.checks % 32 == 0:                # the worker sends no step headers: its cost travels alone
-        STATE.publisher().send(b"cost", {"process": multiprocessing.current_process().name, "checks": 32,
-                                         "check_s": STATE.check_s})
-        STATE.check_s = 0.0
-    if findings:
-        STATE.report(findings)
+def _worker() -> None:
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+    def execute_model(orig):
+        def hook(self, scheduler_output=None, *a, outer, **kw):
+            if outer:
+                _guard("metadata ledger", META.on_execute, self, scheduler_output, bool(kw.get("dummy_run")))
+            return orig(self, scheduler_output, *a, **kw)
+        return hook
+
+    def prepare_inputs(orig):
+        def hook(self, *a, outer, **kw):
+            batch = orig(self, *a, **kw)
+            if outer:
+                _guard("metadata row order", META.on_inputs, batch)
+            return batch
+        return hook
+
+    def initialize_kv_cache(orig):
+        def hook(self, *a, outer, **kw):
+            out = orig(self, *a, **kw)
+            if outer:
+                _guard("status", META.on_runner_ready, self)
+            return out
+        return hook
+
+    def build(orig):
+        def hook(self, *a, outer, **kw):
+            if not outer:
+                return orig(self, *a, **kw)
+            a = list(a)
+            if "common_attn_metadata" in kw:
+                kw["common_attn_metadata"] = META.on_build(self, kw["common_attn_metadata"])
+            elif len(a) >= 2:                     # build(common_prefix_len, common_attn_metadata, ...)
+                a[1] = META.on_build(self, a[1])
+            return orig(self, *a, **kw)
+        return hook
+
+    for base in _runner_bases():
+        wrap_family(base, "execute_model", execute_model)
+        wrap_family(base, "initialize_kv_cache", initialize_kv_cache)
+        if "prepare_inputs" in base.__dict__:
+            wrap_family(base, "prepare_inputs", prepare_inputs)
+    wrap_family(AttentionMetadataBuilder, "build", build)
 
 
-def after_step(scheduler, step_s: float) -> None:
-    STATE.step += 1
-    idle = not scheduler.requests
-    if STATE.step % STATE.pool_every and not idle:
-        return
-    t0 = time.perf_counter()
-    kvm = scheduler.kv_cache_manager
-    pool = kvm.block_pool
-    blocks = pool.blocks
-    n = len(blocks)
-    ref = np.fromiter((b.ref_cnt for b in blocks), dtype=np.int64, count=n)
-    has_hash = np.fromiter((b.block_hash is not None for b in blocks), dtype=bool, count=n)
-    prev = np.fromiter((-1 if b.prev_free_block is None else b.prev_free_block.block_id for b in blocks),
-                       dtype=np.int64, count=n)
-    q = pool.free_block_queue
-    walk, err, b = [], None, q.fake_free_list_head.next_free_block
-    tail = q.fake_free_list_tail
-    while b is not None and b is not tail:
-        if len(walk) > n:
-            err = "the free queue loops"
-            break
-        walk.append(b.block_id)
-        b = b.next_free_block
-    holders = {}
-    for mgr in kvm.coordinator.single_type_managers[:1]:       # Llama-style models: one full-attention group
-        for rid, bl in mgr.req_to_blocks.items():
-            holders[rid] = [x.block_id for x in bl]
-    null = getattr(pool.null_block, "block_id", None)
-    index_errors = _index_errors(pool, blocks, has_hash)
-    live = {rid: getattr(r.status, "name", str(r.status)) for rid, r in scheduler.requests.items()}
-    computed = {r.request_id: r.num_computed_tokens for r in scheduler.running}
-    findings = sanitizer.pool_findings(STATE.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
-                                       index_errors, STATE.last_holder, scheduler.block_size, computed)
-    for rid, pages in holders.items():
-        for p in pages:
-            STATE.last_holder[p] = rid
-    # the snapshot: ref, first owner and cached-free flag per block, for the page map
-    owner = np.full(n, -1, dtype=np.int32)
-    new = {}
-    names = {}                                # only the current holders: a server's lifetime of ids is not kept
-    for rid, pages in holders.items():
-        i = STATE.names.get(rid)
-        if i is None:
-            i = STATE.next_name
-            STATE.next_name += 1
-            new[i] = rid
-        names[rid] = i
-        idx = np.asarray(pages, dtype=np.int64)
-        idx = idx[(idx >= 0) & (idx < n)]
-        free_owner = owner[idx] < 0
-        owner[idx[free_owner]] = i
-    is_free = np.zeros(n, dtype=bool)
-    is_free[[p for p in walk if 0 <= p < n]] = True
-    cached = (is_free & has_hash).astype(np.uint8)
-    STATE.names = names
-    STATE.check_s += time.perf_counter() - t0
-    pub = STATE.publisher()
-    running, waiting = len(scheduler.running), len(scheduler.requests) - len(scheduler.running)
-    extra = {}
-    if idle:
-        # At idle the prefix cache's block hashes, as vLLM's KV events spell them (its own
-        # conversion): a consumer of those events can check its map against the pool itself.
-        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
-        extra["hashes"] = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks
-                           if b.block_hash is not None]
-        extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in extra["hashes"]]
-    pub.send(b"step", {"step": STATE.step, "t": time.time(), "step_s": step_s, "check_s": STATE.check_s,
-                       "num_blocks": n, "block_size": scheduler.block_size, "num_free": q.num_free_blocks,
-                       "running": running, "waiting": waiting, "hashed": int(has_hash.sum()),
-                       "process": multiprocessing.current_process().name, "names": new, **extra},
-             (ref.astype(np.int32), owner, cached))
-    STATE.check_s = 0.0
-    if findings:
-        STATE.report(findings)
+def _seams() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
 
+    def free_request_blocks(orig):
+        def hook(self, request, *a, outer, **kw):
+            try:
+                skip = outer and faults.skip_free(META.switch, request)
+            except Exception as e:
+                REP.error("fault seam (free)", e)
+                skip = False
+            if skip:
+                return None
+            return orig(self, request, *a, **kw)
+        return hook
 
-def _index_errors(pool, blocks, has_hash) -> tuple[list[int], list[int]]:
-    """(index entries naming a block with another hash, hashed blocks the index lacks)."""
-    cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
-    if cache is None:
-        return [], []
-    bad, indexed = [], set()
-    for key, entry in cache.items():
-        for blk in (entry.values() if isinstance(entry, dict) else (entry,)):
-            indexed.add(blk.block_id)
-            if blk.block_hash != key:
-                bad.append(blk.block_id)
-    missing = [int(i) for i in np.nonzero(has_hash)[0] if int(i) not in indexed]
-    return bad[:16], missing[:16]
+    wrap_family(Scheduler, "_free_request_blocks", free_request_blocks)

@@ -32,7 +32,8 @@ def check_local_address(address: str, what: str) -> str:
 
 
 class SanitizerListener:
-    def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100, on_step=None):
+    def __init__(self, address: str = "tcp://127.0.0.1:5590", poll_ms: int = 100, on_step=None,
+                 inactive_after: int = 64):
         import zmq
         self.address = check_local_address(address, "sanitizer address")
         self.ctx = zmq.Context()             # its own: closing it releases the port at once (rebinding works)
@@ -51,7 +52,11 @@ class SanitizerListener:
         self.findings: list[Finding] = []
         self.errors: list[str] = []
         self.processes: list[dict] = []
-        self.costs: dict[str, dict] = {}      # process -> {checks, check_s}: the worker's metadata checks
+        self.costs: dict[str, dict] = {}      # process -> {checks, check_s, executions}: the worker's metadata checks
+        self.statuses: dict[str, dict] = {}   # check -> {check, active, via, path, reason, process}
+        self.inactive_after = inactive_after  # engine steps with work and no worker heartbeat: check-inactive
+        self._meta_seen_at = 0                # the engine step count when the worker's checks last advanced
+        self._inactive_said = False
         self.steps: list[dict] = []           # one row per step header (step, t, step_s, check_s, ...)
         self.names: dict[int, str] = {}       # owner index -> vLLM request id
         self.pool: PoolState | None = None
@@ -93,20 +98,27 @@ class SanitizerListener:
                     hint=str(header.get("hint", "")), kind=str(header.get("kind", "")), step=header.get("step"),
                     request_id=header.get("request_id"), page=header.get("page"),
                     evidence=dict(header.get("evidence") or {})))
-            elif kind == "cost":
+            elif kind == "cost":                  # cumulative per process: a lost message loses nothing
                 proc = str(header.get("process", "?"))
-                c = self.costs.setdefault(proc, {"checks": 0, "check_s": 0.0})
-                c["checks"] += int(header.get("checks", 0))
-                c["check_s"] += float(header.get("check_s", 0.0))
+                old = self.costs.get(proc, {}).get("checks", 0)
+                self.costs[proc] = {"checks": int(header.get("checks", 0)), "check_s": float(header.get("check_s", 0.0)),
+                                    "executions": int(header.get("executions", 0))}
+                if self.costs[proc]["checks"] > old:
+                    self._meta_seen_at = len(self.steps)
+            elif kind == "status":
+                check = str(header.get("check", "?"))
+                self.statuses[check] = {k: header.get(k) for k in ("check", "active", "via", "path", "reason")}
             elif kind == "error":
                 self._error(f"in vLLM: {header.get('message')}")
             elif kind == "step":
                 self.names.update({int(k): v for k, v in (header.get("names") or {}).items()})
-                self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
-                                      arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
+                if arrays:                        # a full sweep's snapshot; incremental checks send none
+                    self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
+                                          arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
-                                                  "running", "waiting", "hashed", "process")}
+                                                  "running", "waiting", "hashed", "full", "process")}
                 self.steps.append(row)
+                self._judge_inactive()
                 if "hashes" in header:            # sent at idle: the pool's prefix-cache blocks
                     self.idle_hashes = list(header["hashes"])
         if kind == "step" and self.on_step is not None:
@@ -114,6 +126,24 @@ class SanitizerListener:
                 self.on_step(row)
             except Exception as e:           # a consumer's bug is reported, the stream goes on
                 self._error(f"on_step: {type(e).__name__}: {e}")
+
+    def _judge_inactive(self) -> None:
+        """The metadata check runs in vLLM's workers: engine steps with work and no sign of it there
+        (no worker heartbeat at all, or one that stopped advancing) are a `check-inactive` warning."""
+        busy = sum(1 for r in self.steps[self._meta_seen_at:] if r.get("running"))
+        if busy < self.inactive_after or self._inactive_said:
+            return
+        st = self.statuses.get("vllm_metadata")
+        if st is not None and not st.get("active"):
+            return                                # the plugin already said it is not active, and why
+        self._inactive_said = True
+        why = ("no worker process has sent a metadata check" if not self.costs
+               else "the workers' metadata checks stopped advancing")
+        self.findings.append(Finding(
+            probe="vllm_metadata", severity="warn", kind="check-inactive", step=self.steps[-1].get("step"),
+            message=f"vllm_metadata has not run for {busy} engine steps with running requests: {why}",
+            hint="the plugin's status lines in vLLM's log (`kvwb vllm status`) say which hook it waits on",
+            evidence={"check": "vllm_metadata", "steps": busy, "statuses": dict(self.statuses)}))
 
     def _error(self, msg: str) -> None:
         if not self.errors or self.errors[-1] != msg:

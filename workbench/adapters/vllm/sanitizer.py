@@ -45,6 +45,8 @@ HINTS = {
     "free-with-refs": "a block on the free queue with references is handed out while still read",
     "counts": "num_free_blocks disagrees with the free queue",
     "cache-index": "the prefix index (cached_block_hash_to_block) and the blocks' hashes disagree",
+    "check-inactive": "a check that should run on this path has not: see the plugin's status lines in vLLM's log "
+                      "(`kvwb vllm status`) for the hook it waits on",
 }
 
 
@@ -191,3 +193,51 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
                                    f"step {step}: request {rid} has computed {c} tokens but maps {have} blocks of "
                                    f"{block_size}", step, rid, None, computed=c, blocks=have))
     return out
+
+
+def touched_block_findings(step: int, blocks, ref, in_queue, expected, last_holder: dict | None = None,
+                           pins: dict | None = None) -> list[dict]:
+    """The incremental pool check: only the blocks this step touched (allocated, freed, evicted).
+
+    blocks: the block ids; ref: their ref_cnt; in_queue: on the free queue; expected: how many
+    holders the ledger (and the pins: deferred frees, a connector's delayed free) gives each.
+    The same rules as the full sweep, on a handful of blocks instead of the whole pool."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    ref = np.asarray(ref, dtype=np.int64)
+    in_queue = np.asarray(in_queue, dtype=bool)
+    expected = np.asarray(expected, dtype=np.int64)
+    last = last_holder or {}
+    out = []
+    leaked = blocks[(ref > 0) & (expected == 0)]
+    if len(leaked):
+        by = defaultdict(list)
+        for p in leaked.tolist():
+            by[last.get(p)].append(p)
+        for rid, pages in by.items():
+            out.append(finding(PROBE_POOL, "leak", "error",
+                               f"step {step}: {len(pages)} blocks keep references but no request maps them"
+                               + (f"; last held by request {rid}" if rid is not None else ""),
+                               step, rid, pages[0], pages=pages[:16]))
+    wrong = (ref != expected) & (expected > 0)
+    for i in np.nonzero(wrong)[0][:invariants.MAX_REPORTED].tolist():
+        p = int(blocks[i])
+        rid = last.get(p)
+        out.append(finding(PROBE_POOL, "refcount", "error",
+                           f"step {step}: block {p} has ref_cnt {int(ref[i])} but {int(expected[i])} requests map it "
+                           f"(last mapped or let go by {rid})", step, rid, p, ref_cnt=int(ref[i]), mapped=int(expected[i])))
+    lost = blocks[(ref == 0) & ~in_queue]
+    if len(lost):
+        out.append(finding(PROBE_POOL, "lost", "error",
+                           f"step {step}: {len(lost)} blocks are neither free nor referenced", step,
+                           last.get(int(lost[0])), int(lost[0]), pages=lost[:16].tolist()))
+    busy = blocks[(ref > 0) & in_queue]
+    if len(busy):
+        out.append(finding(PROBE_POOL, "free-with-refs", "error",
+                           f"step {step}: {len(busy)} blocks on the free queue still have references", step,
+                           last.get(int(busy[0])), int(busy[0]), pages=busy[:16].tolist()))
+    return out
+
+
+def inactive_finding(probe: str, check: str, steps: int, why: str) -> dict:
+    return finding(probe, "check-inactive", "warn",
+                   f"{check} has not run for {steps} steps with work: {why}", None, check=check, steps=steps)

@@ -8,14 +8,18 @@ are dropped and vLLM runs on at full speed.
 A message is multipart: [kind, JSON header, *raw arrays]. Kinds:
 
   hello    {pid, process, vllm_version}                                   once per process
-  step     {step, t, step_s, check_s, num_blocks, block_size, num_free, running, waiting,
-            names: {owner index: request id}}                             after each checked step
-           + three arrays, one entry per block: ref (int32), owner (int32, index into the
-             names sent so far, -1 none), cached (uint8: free and still holding a prefix hash)
+  step     {step, t, step_s, check_s, num_blocks, block_size, num_free, running, waiting, full,
+            names: {owner index: request id}, hashed}                     after each checked step
+           + on a full sweep (full: true; every PAGEDKV_VLLM_FULL_EVERY checks and at idle)
+             three arrays, one entry per block: ref (int32), owner (int32, index into the
+             names sent so far, -1 none), cached (uint8: free and still holding a prefix hash);
+             the incremental checks in between send the header alone
   finding  {probe, kind, severity, message, hint, step, request_id, page, evidence}
   error    {message}                                                      a check that failed to run
-  cost     {process, checks, check_s}     the worker's metadata checks, every 32 (the engine core
-                                          sends its own time in each step header)
+  cost     {process, checks, check_s, executions}   the worker's metadata checks so far (cumulative),
+                                          at least every second while it works: its heartbeat
+  status   {check, active, via, path, reason}   what a check runs on (status.py), at start-up and
+                                          every few seconds
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import time
 
 import numpy as np
 
-KINDS = (b"hello", b"step", b"finding", b"error", b"cost")
+KINDS = (b"hello", b"step", b"finding", b"error", b"cost", b"status")
 ARRAYS = (("ref", np.int32), ("owner", np.int32), ("cached", np.uint8))
 
 
@@ -72,8 +76,10 @@ def decode(frames: list[bytes]) -> tuple[str, dict, dict]:
         raise ValueError(f"sanitizer {kind.decode()} header is a {type(header).__name__}, not an object")
     arrays = {}
     if kind == b"step":
+        if len(frames) == 2:
+            return kind.decode(), header, arrays          # an incremental check: no snapshot
         if len(frames) != 2 + len(ARRAYS):
-            raise ValueError(f"sanitizer step {header.get('step')}: {len(frames) - 2} arrays, want {len(ARRAYS)}")
+            raise ValueError(f"sanitizer step {header.get('step')}: {len(frames) - 2} arrays, want 0 or {len(ARRAYS)}")
         n = header.get("num_blocks")
         for (name, dtype), raw in zip(ARRAYS, frames[2:]):
             a = np.frombuffer(raw, dtype=dtype)

@@ -1,0 +1,210 @@
+"""The engine-core side of the plugin: vLLM's block pool checked against our own ledger.
+
+Hooked on what every step path shares (issue 26): `Scheduler.schedule` (each SchedulerOutput
+goes into the ledger as it crosses to the workers) and `Scheduler.update_from_output` (the
+pool is checked once the step's results are applied). EngineCore.step and
+EngineCore.step_with_batch_queue (async scheduling, pipeline parallel) both call these two,
+so the check runs whichever one vLLM picked; the status line says which (EngineCore picks the
+batch queue exactly when vllm_config.max_concurrent_batches > 1).
+
+Each check looks at the blocks the step touched (allocated, freed, evicted); every
+`full_every` checks, and whenever the engine goes idle, a full sweep walks the whole pool and
+sends its snapshot (one entry per block) for the page map.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+
+from . import sanitizer
+from . import status as st
+from .ledger import BlockLedger
+
+
+def _in_queue(b) -> bool:
+    # FreeKVCacheBlockQueue keeps fake head and tail blocks: a block on it has both links
+    return b.prev_free_block is not None and b.next_free_block is not None
+
+
+class PoolWatch:
+    def __init__(self, rep, settings):
+        self.rep, self.s = rep, settings
+        self.ledger: BlockLedger | None = None
+        self.t_sched: dict[int, float] = {}
+        self.touched: set[int] = set()
+        self.step = 0                    # update_from_output calls seen
+        self.checks = 0
+        self.since_check = 0             # schedule outputs with tokens since the last pool check
+        self.inactive_said = False
+        self.names: dict[str, int] = {}
+        self.next_name = 0
+        self.check_s = 0.0
+
+    # ---- the hooks' callbacks -------------------------------------------------------------
+    def on_scheduler_ready(self, scheduler) -> None:
+        # EngineCore picks step_with_batch_queue exactly when max_concurrent_batches > 1
+        cfg = getattr(scheduler, "vllm_config", None)
+        size = int(getattr(cfg, "max_concurrent_batches", 1) or 1)
+        name = type(scheduler).__name__
+        path = (f"EngineCore.step_with_batch_queue, batch queue size {size}, {name}" if size > 1
+                else f"EngineCore.step, synchronous, {name}")
+        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        reason = f"{len(groups)} KV cache group(s): {', '.join(kinds)}" if groups else ""
+        self.rep.status(st.CheckStatus(st.CHECK_POOL, True, "Scheduler.schedule + Scheduler.update_from_output",
+                                       path, reason))
+
+    def on_schedule(self, scheduler, so, t0: float) -> None:
+        if self.ledger is None:
+            self.ledger = BlockLedger(len(scheduler.kv_cache_manager.block_pool.blocks))
+        d = self.ledger.apply(so)
+        self.touched |= d.touched()
+        self.t_sched[id(so)] = t0
+        if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
+            self.t_sched.pop(next(iter(self.t_sched)))
+        if getattr(so, "total_num_scheduled_tokens", 0):
+            self.since_check += 1
+        if self.since_check >= self.s.inactive_after and not self.inactive_said:
+            self.inactive_said = True
+            self.rep.findings([sanitizer.inactive_finding(
+                sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
+                "Scheduler.update_from_output never returned through the plugin's hook")], key=lambda f: "inactive")
+
+    def on_update(self, scheduler, so) -> None:
+        t0 = self.t_sched.pop(id(so), None)
+        now = time.perf_counter()
+        step_s = None if t0 is None else now - t0
+        self.step += 1
+        self.since_check = 0
+        idle = not scheduler.requests
+        if self.step % self.s.pool_every and not idle:
+            return
+        self.check(scheduler, step_s, idle)
+        self.rep.resend_statuses()
+
+    # ---- the check --------------------------------------------------------------------------
+    def check(self, scheduler, step_s, idle: bool) -> None:
+        t0 = time.perf_counter()
+        kvm = scheduler.kv_cache_manager
+        pool = kvm.block_pool
+        blocks = pool.blocks
+        n = len(blocks)
+        if self.ledger is None:
+            self.ledger = BlockLedger(n)
+        d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ()))
+        self.touched |= d.touched()
+        null = getattr(getattr(pool, "null_block", None), "block_id", None)
+        pins = self._pins(scheduler, kvm)
+        full = idle or self.checks % self.s.full_every == 0
+        self.checks += 1
+        arrays = ()
+        extra: dict = {}
+        if full:
+            found, arrays, extra = self._sweep(scheduler, pool, blocks, n, null, pins, idle)
+        else:
+            idx = np.fromiter((b for b in self.touched if 0 <= b < n and b != null), dtype=np.int64)
+            ref = np.fromiter((blocks[b].ref_cnt for b in idx), dtype=np.int64, count=len(idx))
+            inq = np.fromiter((_in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
+            expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
+                                                            dtype=np.int64, count=len(idx))
+            found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
+                                                     pins)
+        self.touched.clear()
+        self.check_s += time.perf_counter() - t0
+        q = pool.free_block_queue
+        running = len(scheduler.running)
+        self.rep.send(b"step", {
+            "step": self.step, "t": time.time(), "step_s": step_s, "check_s": self.check_s, "num_blocks": n,
+            "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
+            "waiting": len(scheduler.requests) - running, "full": full,
+            "process": multiprocessing.current_process().name, **extra}, arrays)
+        self.check_s = 0.0
+        if found:
+            # a leak is one condition per request (the sweep and the incremental check see it from
+            # different blocks); the others per block
+            self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["request_id"],
+                                                    None if f["kind"] == "leak" else f["page"]))
+
+    def _pins(self, scheduler, kvm) -> dict[int, list[str]]:
+        """Blocks with references that no running request holds, for a reason vLLM allows:
+        frees deferred behind an in-flight step, a connector's delayed free of a finished request."""
+        pins: dict[int, list[str]] = {}
+        for fence, bl in list(getattr(scheduler, "deferred_frees", ()) or ()):
+            for b in bl:
+                pins.setdefault(b.block_id, []).append(f"deferred free (fence step {fence})")
+        conn = getattr(scheduler, "connector", None)
+        for rid, r in list(scheduler.requests.items()):
+            fin = getattr(r, "is_finished", None)
+            if fin is not None and fin() and rid not in self.ledger.reqs:
+                who = type(conn).__name__ if conn is not None else "no connector"
+                for ids in kvm.get_block_ids(rid):
+                    for b in ids:
+                        pins.setdefault(b, []).append(f"{rid}: finished, free delayed ({who})")
+        return pins
+
+    def _sweep(self, scheduler, pool, blocks, n, null, pins, idle):
+        ref = np.fromiter((b.ref_cnt for b in blocks), dtype=np.int64, count=n)
+        has_hash = np.fromiter((b.block_hash is not None for b in blocks), dtype=bool, count=n)
+        prev = np.fromiter((-1 if b.prev_free_block is None else b.prev_free_block.block_id for b in blocks),
+                           dtype=np.int64, count=n)
+        q = pool.free_block_queue
+        walk, err, b = [], None, q.fake_free_list_head.next_free_block
+        tail = q.fake_free_list_tail
+        while b is not None and b is not tail:
+            if len(walk) > n:
+                err = "the free queue loops"
+                break
+            walk.append(b.block_id)
+            b = b.next_free_block
+        holders = self.ledger.holders()
+        for blk, why in pins.items():
+            for w in why:
+                holders.setdefault(f"<pinned: {w}>", []).append(blk)
+        live = {rid: "held" for rid in holders}
+        computed = None
+        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+        if len(groups) <= 1:
+            computed = {r: e.computed + e.scheduled for r, e in self.ledger.reqs.items()}
+        found = sanitizer.pool_findings(self.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
+                                        _index_errors(pool, has_hash), self.ledger.last_holder,
+                                        scheduler.block_size, computed)
+        owner = np.full(n, -1, dtype=np.int32)
+        new, names = {}, {}
+        for rid, pages in holders.items():
+            i = self.names.get(rid)
+            if i is None:
+                i = self.next_name
+                self.next_name += 1
+                new[i] = rid
+            names[rid] = i
+            idx = np.asarray(pages, dtype=np.int64)
+            idx = idx[(idx >= 0) & (idx < n)]
+            owner[idx[owner[idx] < 0]] = i
+        self.names = names          # only the current holders: a server's lifetime of ids is not kept
+        is_free = np.zeros(n, dtype=bool)
+        is_free[[p for p in walk if 0 <= p < n]] = True
+        cached = (is_free & has_hash).astype(np.uint8)
+        extra = {"names": new, "hashed": int(has_hash.sum())}
+        if idle:
+            # the prefix cache's block hashes as vLLM's KV events spell them (its own conversion)
+            from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+            hs = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
+            extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in hs]
+        return found, (ref.astype(np.int32), owner, cached), extra
+
+
+def _index_errors(pool, has_hash) -> tuple[list[int], list[int]]:
+    """(index entries naming a block with another hash, hashed blocks the index lacks)."""
+    cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
+    if cache is None:
+        return [], []
+    bad, indexed = [], set()
+    for key, entry in cache.items():
+        for blk in (entry.values() if isinstance(entry, dict) else (entry,)):
+            indexed.add(blk.block_id)
+            if blk.block_hash != key:
+                bad.append(blk.block_id)
+    missing = [int(i) for i in np.nonzero(has_hash)[0] if int(i) not in indexed]
+    return bad[:16], missing[:16]

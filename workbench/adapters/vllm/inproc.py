@@ -1,0 +1,122 @@
+"""vLLM's real EngineCore, in one process, driven step by step: for tests and the plugin benchmark.
+
+Run with the vLLM environment's Python (make vllm). It builds the VllmConfig as vLLM's own
+EngineArgs does, makes vLLM's EngineCore (its scheduler, KV cache manager, block pool,
+UniProcExecutor, CPU worker and model runner) and calls `EngineCore.step_fn` until every
+request is done, as EngineCoreProc's busy loop does. vLLM loads its general plugins inside
+EngineCore.__init__, so the workbench's plugin is on exactly when PAGEDKV_VLLM_SANITIZER is
+set, as in a server.
+
+`--batch-queue` drives the path the CPU build cannot reach from its server: vLLM's CPU
+platform forces `async_scheduling` off, and without it `max_concurrent_batches` is 1. Set
+back on after the platform's check (the only change), vLLM itself picks its AsyncScheduler
+and `EngineCore.step_with_batch_queue` with a queue of 2, the same code async scheduling
+runs on CUDA; the executor hands back futures (non_block=True) as it does there. The model
+runner is the CPU one (V1), which is what this machine has.
+
+    .venv-vllm/bin/python -m workbench.adapters.vllm.inproc --batch-queue --requests 8
+    prints one JSON object: {"step_fn", "scheduler", "batch_queue_size", "outputs": {id: token ids}, ...}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def make_core(model: str, *, batch_queue: bool, block_size: int = 32, num_blocks: int | None = None,
+              max_num_seqs: int = 8, max_model_len: int = 1024, dtype: str = "bfloat16",
+              max_num_batched_tokens: int | None = None):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
+    kw = {}
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+    args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+                      enforce_eager=True, max_num_seqs=max_num_seqs, enable_prefix_caching=True,
+                      num_gpu_blocks_override=num_blocks, **kw)
+    cfg = args.create_engine_config()
+    if batch_queue:
+        cfg.scheduler_config.async_scheduling = True      # undo the CPU platform's override, nothing else
+    return EngineCore(cfg, Executor.get_class(cfg), log_stats=False)
+
+
+def request(rid: str, ids: list[int], max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=ids, mm_features=None, sampling_params=sp,
+                             pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+                             data_parallel_rank=None)
+
+
+def prompts(n: int, shared: int = 70, seed: int = 0) -> list[list[int]]:
+    """n prompts sharing a `shared`-token prefix (prefix-cache hits), each with its own tail."""
+    import random
+    rng = random.Random(seed)
+    head = [1] + [rng.randrange(200, 20000) for _ in range(shared - 1)]
+    return [head + [rng.randrange(200, 20000) for _ in range(17 + 13 * i % 60)] for i in range(n)]
+
+
+def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | None = None,
+        max_steps: int = 100_000) -> dict:
+    """Add the requests, step until all are done; abort {request id: after this many steps}."""
+    for rid, ids in reqs:
+        r, wave = core.preprocess_add_request(request(rid, ids, max_tokens))
+        core.add_request(r, wave)
+    outputs: dict[str, list[int]] = {rid: [] for rid, _ in reqs}
+    finished: dict[str, str] = {}
+    step_s: list[float] = []
+    steps = 0
+    abort = dict(abort or {})
+    while (core.scheduler.has_requests() or core.batch_queue) and steps < max_steps:
+        for rid, after in list(abort.items()):
+            if steps >= after:
+                core.abort_requests([rid])
+                del abort[rid]
+        t0 = time.perf_counter()
+        outs, _ = core.step_fn()
+        step_s.append(time.perf_counter() - t0)
+        steps += 1
+        for o in (outs or {}).values():
+            for x in o.outputs:
+                outputs.setdefault(x.request_id, []).extend(x.new_token_ids)
+                if x.finish_reason is not None:
+                    finished[x.request_id] = str(x.finish_reason)
+    return {"steps": steps, "outputs": outputs, "finished": finished, "step_s": step_s}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch-queue", action="store_true")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
+    ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
+    a = ap.parse_args(argv)
+    from .model_dir import DEFAULT_DIR
+    core = make_core(a.model or str(DEFAULT_DIR), batch_queue=a.batch_queue, num_blocks=a.num_blocks,
+                     max_num_seqs=a.max_num_seqs)
+    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests))]
+    abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
+    res = run(core, reqs, a.max_tokens, abort)
+    res.update(step_fn=core.step_fn.__name__, scheduler=type(core.scheduler).__name__,
+               batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
+    time.sleep(a.settle_s)
+    core.shutdown()
+    sys.stdout.write("RESULT " + json.dumps(res) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

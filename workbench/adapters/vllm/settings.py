@@ -1,0 +1,86 @@
+"""The plugin's settings, read from the environment once per vLLM process, never raising.
+
+A bad value must not stop vLLM (issue 26): each one becomes a `problem` (one log line naming
+the variable, the value and what was used instead) and the default is kept.
+
+  PAGEDKV_VLLM_SANITIZER     where findings go: tcp://127.0.0.1:PORT or ipc://PATH (the workbench
+                             binds it). Set to anything, the plugin is on; an address we cannot use
+                             keeps the checks on and sends their findings to vLLM's log only.
+  PAGEDKV_VLLM_POOL_EVERY    run the (incremental) pool check every N engine steps   default 1
+  PAGEDKV_VLLM_FULL_EVERY    a full sweep of the pool every N pool checks            default 256
+  PAGEDKV_VLLM_INACTIVE_AFTER  a check that should have run and has not, for N steps
+                             with work, is a `check-inactive` warning                 default 64
+  PAGEDKV_VLLM_FAULT_FILE    a JSON file naming faults to plant (tests, notebooks; faults.py)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+ENV_SANITIZER = "PAGEDKV_VLLM_SANITIZER"
+ENV_POOL_EVERY = "PAGEDKV_VLLM_POOL_EVERY"
+ENV_FULL_EVERY = "PAGEDKV_VLLM_FULL_EVERY"
+ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
+ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
+
+
+@dataclass
+class Settings:
+    enabled: bool = False
+    address: str | None = None            # None: findings go to vLLM's log only
+    pool_every: int = 1
+    full_every: int = 256
+    inactive_after: int = 64
+    fault_file: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _whole(env, name: str, default: int, problems: list[str], low: int = 1) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        v = None
+    if v is None or v < low:
+        problems.append(f"{name}={raw!r} is not a whole number >= {low}; using {default}")
+        return default
+    return v
+
+
+def address_problem(address: str) -> str | None:
+    """Why a sanitizer address cannot be connected to, or None when it can."""
+    if address.startswith("ipc://"):
+        return None if len(address) > len("ipc://") else "ipc:// needs a path"
+    u = urlparse(address)
+    if u.scheme != "tcp":
+        return "give tcp://127.0.0.1:PORT or ipc://PATH"
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if port is None or not u.hostname:
+        return "a tcp:// address needs a host and a port (tcp://127.0.0.1:PORT)"
+    return None
+
+
+def read(env=None) -> Settings:
+    env = os.environ if env is None else env
+    raw = env.get(ENV_SANITIZER)
+    s = Settings()
+    if not raw:
+        return s                                    # off by default
+    s.enabled = True
+    why = address_problem(raw.strip())
+    if why is None:
+        s.address = raw.strip()
+    else:
+        s.problems.append(f"{ENV_SANITIZER}={raw!r} is not an address the plugin can send to ({why}); the checks "
+                          f"run and their findings go to vLLM's log only")
+    s.pool_every = _whole(env, ENV_POOL_EVERY, 1, s.problems)
+    s.full_every = _whole(env, ENV_FULL_EVERY, 256, s.problems)
+    s.inactive_after = _whole(env, ENV_INACTIVE_AFTER, 64, s.problems)
+    s.fault_file = env.get(ENV_FAULT_FILE) or None
+    return s

@@ -1,0 +1,160 @@
+"""The worker side of the plugin: the attention metadata the kernels read, checked against our ledger.
+
+Hooked where every model runner's metadata passes (issue 26): `AttentionMetadataBuilder.build`
+on the base class and every subclass, including those defined later (vllm-ascend's builders,
+which its NPUModelRunner calls directly, v1 and v2). The runner's `execute_model` (V1 GPU/CPU
+runner, V2 runner, NPUModelRunner: each class that defines it) hands us the step's
+SchedulerOutput, which goes into the worker's ledger; the V2 runner's `prepare_inputs` hands
+us the row order of its InputBatch (the V1 runners keep theirs in `input_batch.req_ids`).
+
+Rows past the batch's real requests (CUDA-graph padding) and tokens past its real tokens are
+not read. A step whose rows cannot be matched to requests (a micro-batch slice) is skipped,
+and a check that stays skipped becomes a `check-inactive` warning.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+
+from . import faults, sanitizer
+from . import status as st
+from .ledger import BlockLedger
+
+CHECKED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
+
+
+def _np(t, n=None):
+    a = t.detach().to("cpu") if hasattr(t, "detach") else t
+    a = np.asarray(a)
+    return a if n is None else a[:n]
+
+
+class MetadataWatch:
+    def __init__(self, rep, settings):
+        self.rep, self.s = rep, settings
+        self.switch = faults.FaultSwitch(settings.fault_file, on_error=st.problem)
+        self.ledger = BlockLedger()
+        self.last_so = None              # the SchedulerOutput applied last (nested execute_model calls)
+        self.runner = None
+        self.req_ids = None              # the V2 runner's row order for this execution
+        self.executions = 0
+        self.done_groups: set[int] = set()
+        self.since_check = 0
+        self.inactive_said = False
+        self.checks = 0
+        self.check_s = 0.0
+        self._cost_sent = time.monotonic()
+
+    # ---- the hooks' callbacks -------------------------------------------------------------
+    def on_runner_ready(self, runner) -> None:
+        cls = type(runner)
+        v2 = ".gpu.model_runner" in (cls.__module__ + ".") or ".v2." in cls.__module__
+        path = f"{cls.__name__} ({'V2' if v2 else 'V1'} model runner, {cls.__module__})"
+        groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or []
+        left = [f"group {i} ({type(g.kv_cache_spec).__name__}: not checked, no block table of this kind)"
+                for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ not in CHECKED_SPECS]
+        ok = len(groups) - len(left)
+        self.rep.status(st.CheckStatus(st.CHECK_METADATA, ok > 0 or not groups, "AttentionMetadataBuilder.build",
+                                       path, "; ".join(left) if ok else "no KV cache group it can check"))
+
+    def on_execute(self, runner, so, dummy: bool) -> None:
+        self.runner, self.req_ids = runner, None
+        if so is None or dummy or so is self.last_so:
+            return
+        self.last_so = so
+        self.ledger.apply(so)
+        self.executions += 1
+        self.done_groups = set()
+        if getattr(so, "total_num_scheduled_tokens", 0):
+            self.since_check += 1
+            if self.since_check >= self.s.inactive_after and not self.inactive_said:
+                self.inactive_said = True
+                self.rep.findings([sanitizer.inactive_finding(
+                    sanitizer.PROBE_METADATA, st.CHECK_METADATA, self.since_check,
+                    f"no attention metadata reached AttentionMetadataBuilder.build with rows the plugin can "
+                    f"match, on {type(runner).__name__}")], key=lambda f: "inactive")
+        self.rep.resend_statuses()
+
+    def on_inputs(self, input_batch) -> None:
+        ids = getattr(input_batch, "req_ids", None)
+        if ids is not None:
+            self.req_ids = list(ids)
+
+    def on_build(self, builder, cm):
+        """The metadata the kernel will get (a fault may change it), checked; returns it."""
+        try:
+            cm = faults.metadata(self.switch, cm, builder.kv_cache_spec.block_size)
+        except Exception as e:
+            self.rep.error("fault seam (metadata)", e)
+        if self.runner is None or self.last_so is None:
+            return cm                                   # a warm-up or capture build: no real batch
+        try:
+            self.check(builder, cm)
+        except Exception as e:
+            self.rep.error("metadata check", e)
+        return cm
+
+    # ---- the check --------------------------------------------------------------------------
+    def _group(self, builder) -> int | None:
+        groups = getattr(getattr(self.runner, "kv_cache_config", None), "kv_cache_groups", None) or []
+        names = getattr(builder, "layer_names", None) or []
+        for i, g in enumerate(groups):
+            if names and names[0] in g.layer_names:
+                return i
+        return 0 if len(groups) == 1 else None
+
+    def check(self, builder, cm) -> None:
+        g = self._group(builder)
+        if g is None or g in self.done_groups:
+            return
+        groups = self.runner.kv_cache_config.kv_cache_groups
+        spec_name = type(groups[g].kv_cache_spec).__name__
+        if spec_name not in CHECKED_SPECS:
+            return
+        req_ids = self.req_ids if self.req_ids is not None else list(self.runner.input_batch.req_ids)
+        n = len(req_ids)
+        qsl = _np(cm.query_start_loc_cpu)
+        if n == 0 or len(qsl) < n + 1 or int(qsl[0]) != 0 or cm.num_reqs < n:
+            return                                       # not this batch's rows (a micro-batch slice)
+        t0 = time.perf_counter()
+        self.done_groups.add(g)
+        entries = [self.ledger.reqs.get(r) for r in req_ids]
+        if any(e is None for e in entries):
+            missing = [r for r, e in zip(req_ids, entries) if e is None]
+            self.rep.findings([sanitizer.finding(
+                sanitizer.PROBE_METADATA, "unknown-request", "error",
+                f"execution {self.executions}: rows for requests the scheduler never sent: {missing[:4]}",
+                self.executions, missing[0])], key=lambda f: ("unknown", f["request_id"]))
+            return
+        kernel_bs = int(builder.kv_cache_spec.block_size)
+        bs = int(groups[g].kv_cache_spec.block_size)
+        ratio = bs // kernel_bs if kernel_bs and bs % kernel_bs == 0 else 1
+        pages = [e.groups[g] if g < len(e.groups) else [] for e in entries]
+        if ratio > 1:                                    # the kernel addresses blocks of kernel_bs
+            pages = [[b * ratio + j for b in p for j in range(ratio)] for p in pages]
+        starts = [e.computed for e in entries]
+        q = [e.scheduled for e in entries]
+        t = int(qsl[n])                                  # real tokens; padding after them is not read
+        kv_cfg = getattr(self.runner, "kv_cache_config", None)
+        num_blocks = getattr(kv_cfg, "num_blocks", None)
+        found = sanitizer.metadata_findings(
+            self.executions, req_ids, starts, q, pages, kernel_bs,
+            None if num_blocks is None else num_blocks * ratio,
+            query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n),
+            block_table=_np(cm.block_table_tensor, n), slot_mapping=_np(cm.slot_mapping, t),
+            positions=None if getattr(cm, "positions", None) is None else _np(cm.positions, t))
+        self.since_check = 0
+        self.checks += 1
+        self.check_s += time.perf_counter() - t0
+        now = time.monotonic()
+        if now - self._cost_sent >= 1.0 or self.checks % 16 == 0:   # also the worker's heartbeat
+            self._cost_sent = now
+            self.rep.send(b"cost", {"process": multiprocessing.current_process().name, "checks": self.checks,
+                                    "check_s": self.check_s, "executions": self.executions})
+        if found:
+            for f in found:
+                f["evidence"]["kv_cache_group"] = g
+            self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["evidence"].get("copy"),
+                                                    f["request_id"]))
