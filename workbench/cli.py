@@ -430,6 +430,58 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# vllm status
+# --------------------------------------------------------------------------
+
+
+def _args_vllm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["status"], help="status: which of the plugin's checks run, on which path")
+    p.add_argument("--sanitizer", required=True, metavar="ADDR",
+                   help="the address vLLM's PAGEDKV_VLLM_SANITIZER names, e.g. tcp://127.0.0.1:5590 (bound here: "
+                        "stop `kvwb watch` or the notebook that holds it first)")
+    p.add_argument("--wait", type=float, default=7.0, metavar="S",
+                   help="seconds to listen (the plugin repeats its status every 5 s while vLLM works; default 7)")
+
+
+def cmd_vllm(args: argparse.Namespace) -> int:
+    """Exit 0: every check heard is active; 1: one is not; 3: nothing heard within --wait."""
+    import time as _time
+
+    from workbench.adapters.vllm.listener import SanitizerListener
+    if args.wait < 0:
+        print(f"kvwb vllm status: --wait {args.wait:g}: give seconds >= 0", file=sys.stderr)
+        return 2
+    try:
+        lis = SanitizerListener(args.sanitizer)
+    except ValueError as e:
+        print(f"kvwb vllm status: {e}", file=sys.stderr)
+        return 2
+    try:
+        t0 = _time.monotonic()
+        while _time.monotonic() - t0 < args.wait and len(lis.statuses) < 2:
+            _time.sleep(0.1)
+        with lis.lock:
+            statuses = dict(lis.statuses)
+            procs = list(lis.processes)
+    finally:
+        lis.close()
+    if not statuses:
+        print(f"kvwb vllm status: nothing heard on {args.sanitizer} in {args.wait:g} s: is vLLM running with "
+              f"PAGEDKV_VLLM_SANITIZER={args.sanitizer} and busy? (the plugin repeats its status while it works)",
+              file=sys.stderr)
+        return 3
+    for p in procs[:1]:
+        print(f"vLLM {p.get('vllm_version', '?')}")
+    for check, st in sorted(statuses.items()):
+        ok = bool(st.get("active"))
+        line = f"{check}: {'active via ' + str(st.get('via')) if ok else 'NOT active'}"
+        line += f" ({st['path']})" if st.get("path") else ""
+        line += f"; {st['reason']}" if st.get("reason") else ""
+        print(line)
+    return 0 if all(st.get("active") for st in statuses.values()) else 1
+
+
+# --------------------------------------------------------------------------
 # registry and entry point
 # --------------------------------------------------------------------------
 
@@ -438,6 +490,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argp
     "doctor": (cmd_doctor, _args_doctor, "check the install: torch, device, dtypes, bandwidth, matmul, default model"),
     "replay": (cmd_replay, _args_replay, "replay a request trace (simulate or full) and summarise what happened"),
     "serve-metrics": (cmd_serve_metrics, _args_serve_metrics, "load an engine and serve its kvwb_* Prometheus metrics over HTTP"),
+    "vllm": (cmd_vllm, _args_vllm, "ask a running vLLM's plugin which checks run, on which step path and runner"),
     "watch": (cmd_watch, _args_watch, "watch a running vLLM: live summary, findings, problems; an HTML report on exit"),
 }
 

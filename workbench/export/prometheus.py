@@ -129,9 +129,10 @@ class EngineCollector(Collector):
 class MetricsServer:
     """A running /metrics endpoint: .port, .addr, .url, .registry; stop() or use as a context manager."""
 
-    def __init__(self, engine_or_workbench: Any, port: int = 0, addr: str = "127.0.0.1"):
+    def __init__(self, engine_or_workbench: Any, port: int = 0, addr: str = "127.0.0.1",
+                 collector: Collector | None = None):
         self.registry = CollectorRegistry()
-        self.collector = EngineCollector(engine_or_workbench)
+        self.collector = collector or EngineCollector(engine_or_workbench)
         self.registry.register(self.collector)
         self._httpd, self._thread = start_http_server(port, addr, registry=self.registry)
         self._thread.name = f"kvwb-metrics:{self._httpd.server_port}"

@@ -57,7 +57,8 @@ class VllmDashboard:
     def refresh(self) -> None:
         """Pull the connection's latest state into the widgets (what the thread does every interval)."""
         conn = self.conn
-        self.summary.value = f"<code>{html.escape(conn.summary_line())}</code>"
+        self.summary.value = (f"<code>{html.escape(conn.summary_line())}</code><br>"
+                              f"<code>{html.escape(conn.checks_line())}</code>")
         probs = conn.problems()
         self.problems.value = ("<div style='color:#b00020'>" + "<br>".join(html.escape(p) for p in probs) + "</div>"
                                if probs else "")

@@ -77,8 +77,29 @@ class VllmConnection:
             return None
         return 1.0 - s["num_free"] / max(1, s["num_blocks"] - 1)      # block 0 is vLLM's null block
 
+    def checks(self) -> list[dict]:
+        """The plugin's checks as it reported them: {check, active, via, path, reason} each."""
+        if self.sanitizer is None:
+            return []
+        with self.sanitizer.lock:
+            return [dict(v) for _, v in sorted(self.sanitizer.statuses.items())]
+
+    def checks_line(self) -> str:
+        cs = self.checks()
+        if not cs:
+            return "plugin checks: not heard yet"
+        return "plugin checks: " + " | ".join(
+            f"{c['check']} {'on' if c.get('active') else 'OFF'}" + (f" ({c['path']})" if c.get("path") else "")
+            for c in cs)
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1"):
+        """kvwb_vllm_check_active{check} and the plugin's findings over HTTP (prometheus.py)."""
+        from ...export.prometheus import MetricsServer
+        from .prometheus import VllmCollector
+        return MetricsServer(None, port, addr, collector=VllmCollector(self))
+
     def problems(self) -> list[str]:
-        out = []
+        out = [f"plugin: {c['check']} is NOT active: {c.get('reason')}" for c in self.checks() if not c.get("active")]
         if self.metrics is not None and self.metrics.failing:     # past failures that recovered are not news
             out.append(f"/metrics: {self.metrics.failing}")
         if self.kv is not None:

@@ -82,7 +82,6 @@ class PoolWatch:
         if self.step % self.s.pool_every and not idle:
             return
         self.check(scheduler, step_s, idle)
-        self.rep.resend_statuses()
 
     # ---- the check --------------------------------------------------------------------------
     def check(self, scheduler, step_s, idle: bool) -> None:

@@ -104,12 +104,13 @@ def metadata(switch: FaultSwitch, cm, block_size: int):
         bt[[0, 1]] = bt[[1, 0]]
         cm = replace(cm, block_table_tensor=bt)
     if switch.on("slot_mapping_off_at_boundary") and cm.positions is not None:
+        # In place: the metadata's slot_mapping is a view of the runner's block-table slot mapping,
+        # the same tensor the forward context hands the KV-cache write (vLLM 0.32 writes K/V
+        # from there, not from the backend's metadata), so the misplaced rows really land.
         t = cm.num_actual_tokens
         pos = cm.positions[:t]
-        slot = cm.slot_mapping.clone()
         edge = (pos % block_size == 0) & (pos > 0)
-        slot[:t][edge] += block_size            # one block on: the page index off by one at the boundary
-        cm = replace(cm, slot_mapping=slot)
+        cm.slot_mapping[:t][edge] += block_size   # one block on: the page index off by one at the boundary
     return cm
 
 

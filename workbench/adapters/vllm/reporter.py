@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 
 from . import status as st
 
 _LOG_EVERY = 1000          # an exception that repeats: logged the 1st, then every 1000th time
+STATUS_EVERY_S = 5.0
 
 
 class Reporter:
@@ -24,6 +26,7 @@ class Reporter:
         self.errors: dict[str, int] = {}
         self.statuses: dict[str, st.CheckStatus] = {}
         self._status_sent = 0.0
+        self._ticker: threading.Thread | None = None
 
     def _publisher(self):
         if self.pub is None and self.address and not self.broken:
@@ -54,8 +57,20 @@ class Reporter:
         if say and (old is None or old.line() != s.line()):
             st.say(s)
         self.send(b"status", s.as_dict())
+        if self._ticker is None and self.address and not self.broken:
+            # repeated while vLLM idles too, so `kvwb vllm status` answers at any time
+            self._ticker = threading.Thread(target=self._tick, name="kvwb-plugin-status", daemon=True)
+            self._ticker.start()
 
-    def resend_statuses(self, every_s: float = 5.0) -> None:
+    def _tick(self) -> None:
+        while not self.broken:
+            time.sleep(STATUS_EVERY_S)
+            try:
+                self.resend_statuses(0.0)
+            except Exception:
+                return
+
+    def resend_statuses(self, every_s: float = STATUS_EVERY_S) -> None:
         now = time.monotonic()
         if now - self._status_sent >= every_s and self.statuses:
             self._status_sent = now

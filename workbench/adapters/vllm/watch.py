@@ -120,7 +120,7 @@ def watch(conn: VllmConnection, out=None, interval_s: float = 1.0, duration_s: f
     out = sys.stdout if out is None else out
     interval_s = float(interval_s) if interval_s and interval_s > 0 else 1.0
     term = _Terminal(out)
-    state = {"findings": 0}
+    state = {"findings": 0, "checks": ""}
     seen_problems: set[str] = set()
     problems_log: list[tuple[float, str]] = []  # every distinct sentence seen, with when it first came
     started = time.time()
@@ -141,6 +141,10 @@ def watch(conn: VllmConnection, out=None, interval_s: float = 1.0, duration_s: f
             state["findings"] = len(fs)
             for p in conn.problems():
                 note_problem(p)
+            line = conn.checks_line()                 # what the plugin runs on, each time it changes
+            if conn.checks() and line != state["checks"]:
+                state["checks"] = line
+                term.event(line)
         except (OSError, KeyboardInterrupt):
             raise
         except Exception as e:                  # a view never takes the watch down
@@ -343,7 +347,7 @@ def report_html(conn, problems: list[tuple[float, str]] | None = None, started: 
         "pre{background:#f7f7f7;padding:6px;white-space:pre-wrap} li.problem{color:#b00020}</style>",
         "</head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        f"<pre>{html.escape(conn.summary_line())}</pre>",
+        f"<pre>{html.escape(conn.summary_line())}\n{html.escape(conn.checks_line())}</pre>",
         "<h2>Summary</h2><table>" + "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_e(v)}</td></tr>"
                                             for k, v in rows) + "</table>",
         "<h2>Timeline</h2>", timeline_svg(conn),

@@ -75,7 +75,6 @@ class MetadataWatch:
                     sanitizer.PROBE_METADATA, st.CHECK_METADATA, self.since_check,
                     f"no attention metadata reached AttentionMetadataBuilder.build with rows the plugin can "
                     f"match, on {type(runner).__name__}")], key=lambda f: "inactive")
-        self.rep.resend_statuses()
 
     def on_inputs(self, input_batch) -> None:
         ids = getattr(input_batch, "req_ids", None)

@@ -1,0 +1,205 @@
+"""The plugin's parts on their own, no vLLM: settings, fault files, the ledger, the family wrap,
+the listener's check-inactive judgement, `kvwb vllm status`, and the kvwb_vllm_check_active
+gauge over a real HTTP scrape. The same parts inside a real vLLM: test_vllm_step_paths.py."""
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from types import SimpleNamespace as NS
+
+import pytest
+
+from workbench.adapters.vllm import settings
+from workbench.adapters.vllm.faults import read_fault_file
+from workbench.adapters.vllm.ledger import BlockLedger
+from workbench.adapters.vllm.patching import wrap_family
+from workbench.adapters.vllm.server import free_port
+
+
+# ---- settings and fault files -------------------------------------------------------------
+def test_settings_off_by_default_and_bad_values_fall_back_with_a_sentence():
+    assert not settings.read({}).enabled
+    s = settings.read({"PAGEDKV_VLLM_SANITIZER": "tcp://127.0.0.1:5590", "PAGEDKV_VLLM_POOL_EVERY": "often",
+                       "PAGEDKV_VLLM_FULL_EVERY": "0", "PAGEDKV_VLLM_INACTIVE_AFTER": " 12 "})
+    assert s.enabled and s.address == "tcp://127.0.0.1:5590"
+    assert (s.pool_every, s.full_every, s.inactive_after) == (1, 256, 12)
+    assert s.problems == ["PAGEDKV_VLLM_POOL_EVERY='often' is not a whole number >= 1; using 1",
+                          "PAGEDKV_VLLM_FULL_EVERY='0' is not a whole number >= 1; using 256"]
+    for bad in ("not-an-address", "tcp://127.0.0.1", "http://127.0.0.1:80", "tcp://:80", "ipc://"):
+        s = settings.read({"PAGEDKV_VLLM_SANITIZER": bad})
+        assert s.enabled and s.address is None and bad in s.problems[0], (bad, s.problems)
+    assert settings.read({"PAGEDKV_VLLM_SANITIZER": "ipc:///tmp/kvwb.sock"}).address == "ipc:///tmp/kvwb.sock"
+
+
+@pytest.mark.parametrize("content, says", [('{"faults": null}', '"faults" must be a list of names'),
+                                           ("{not json", "not JSON"), ("[1, 2]", 'want an object {"faults"'),
+                                           ('{"faults": ["nope"]}', "unknown vLLM faults ['nope']"),
+                                           ('{"faults": [3]}', '"faults" must be a list of names')])
+def test_a_bad_fault_file_is_named_with_what_is_wrong(tmp_path, content, says):
+    p = tmp_path / "f.json"
+    p.write_text(content)
+    with pytest.raises(ValueError) as e:
+        read_fault_file(str(p))
+    assert str(p) in str(e.value) and says in str(e.value)
+
+
+# ---- the ledger ---------------------------------------------------------------------------
+def out(new=(), cached=(), finished=(), preempted=(), sched=None):
+    """A SchedulerOutput as vLLM 0.32 spells it (only the fields the ledger reads)."""
+    c = NS(req_ids=[r for r, *_ in cached], resumed_req_ids={r for r, _, _, res in cached if res},
+           new_block_ids=[b for _, b, _, _ in cached], num_computed_tokens=[n for _, _, n, _ in cached])
+    return NS(scheduled_new_reqs=[NS(req_id=r, block_ids=b, num_computed_tokens=n) for r, b, n in new],
+              scheduled_cached_reqs=c, finished_req_ids=set(finished), preempted_req_ids=set(preempted),
+              num_scheduled_tokens=sched or {})
+
+
+def test_ledger_follows_scheduler_outputs_and_counts_holders():
+    led = BlockLedger(16)
+    d = led.apply(out(new=[("a", ([1, 2],), 0), ("b", ([1, 3],), 32)], sched={"a": 40, "b": 8}))
+    assert d.added == {1, 2, 3} and led.holders() == {"a": [1, 2], "b": [1, 3]}
+    assert led.counts[1] == 2 and led.counts[2] == 1 and led.reqs["b"].computed == 32
+    d = led.apply(out(cached=[("a", ([4],), 40, False), ("b", None, 40, False)], sched={"a": 1, "b": 1}))
+    assert d.added == {4} and led.holders()["a"] == [1, 2, 4] and led.reqs["a"].scheduled == 1
+    # preempted: let go; resumed later with a whole new list (it replaces, not appends)
+    d = led.apply(out(preempted=["b"]))
+    assert d.removed == {1, 3} and "b" not in led.reqs and led.counts[3] == 0 and led.counts[1] == 1
+    led.apply(out(cached=[("b", ([5, 6],), 0, True)]))
+    assert led.holders()["b"] == [5, 6]
+    # finished: the last to let go of a block names it
+    d = led.finish(["a"])
+    assert d.released == {"a": [1, 2, 4]} and led.last_holder[2] == "a"
+    assert (led.mapped(16) == led.counts).all() and led.counts.sum() == 2
+
+
+# ---- the family wrap ----------------------------------------------------------------------
+def test_family_wrap_reaches_overrides_later_subclasses_and_knows_the_outer_call():
+    calls = []
+
+    class Base:
+        def build(self, x):
+            return ("base", x)
+
+    class Over(Base):                       # overrides and calls super(): the hook runs once, outside
+        def build(self, x):
+            return ("over", super().build(x))
+
+    def make(orig):
+        def hook(self, x, outer):
+            calls.append((type(self).__name__, orig.__qualname__, outer))
+            return orig(self, x)
+        return hook
+
+    wrapped = wrap_family(Base, "build", make)
+    assert len(wrapped) == 2
+
+    class Later(Base):                      # defined after the wrap (a platform plugin imported late)
+        def build(self, x):
+            return ("later", x)
+
+    class Plain(Base):                      # no override of its own: the base's wrap covers it
+        pass
+
+    assert Over().build(1) == ("over", ("base", 1))
+    assert calls == [("Over", "test_family_wrap_reaches_overrides_later_subclasses_and_knows_the_outer_call."
+                               "<locals>.Over.build", True),
+                     ("Over", "test_family_wrap_reaches_overrides_later_subclasses_and_knows_the_outer_call."
+                              "<locals>.Base.build", False)]
+    calls.clear()
+    assert Later().build(2) == ("later", 2) and Plain().build(3) == ("base", 3)
+    assert [(c[0], c[2]) for c in calls] == [("Later", True), ("Plain", True)]
+    wrap_family(Base, "build", make)        # installing twice wraps nothing twice
+    calls.clear()
+    Plain().build(4)
+    assert len(calls) == 1
+
+
+# ---- what the workbench makes of the plugin's messages ------------------------------------
+class Plugin:
+    """The plugin's sending end (stream.Publisher), as a vLLM process would use it."""
+
+    def __init__(self, address):
+        from workbench.adapters.vllm.stream import Publisher
+        self.pub = Publisher(address)
+        time.sleep(0.3)
+
+    def status(self, check, active, path="", reason=""):
+        self.pub.send(b"status", {"check": check, "active": active, "via": "hook", "path": path, "reason": reason})
+
+    def step(self, i, running=1):
+        self.pub.send(b"step", {"step": i, "t": time.time(), "step_s": 0.01, "check_s": 0.0, "num_blocks": 8,
+                                "num_free": 7, "running": running, "waiting": 0, "full": False})
+
+
+def wait(pred, timeout=5):
+    t0 = time.time()
+    while not pred() and time.time() - t0 < timeout:
+        time.sleep(0.05)
+    return pred()
+
+
+def test_engine_steps_without_worker_checks_become_one_check_inactive_warning():
+    from workbench.adapters.vllm.listener import SanitizerListener
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    lis = SanitizerListener(addr, inactive_after=10)
+    try:
+        p = Plugin(addr)
+        p.status("vllm_metadata", True, "V2 model runner")
+        p.pub.send(b"cost", {"process": "w", "checks": 3, "check_s": 0.001, "executions": 3})
+        for i in range(9):
+            p.step(i)
+        assert wait(lambda: len(lis.steps) == 9) and not lis.findings
+        for i in range(9, 30):
+            p.step(i, running=0 if i < 12 else 1)         # idle steps do not count
+        assert wait(lambda: lis.findings)
+        (f,) = lis.findings
+        assert f.kind == "check-inactive" and f.severity == "warn" and f.probe == "vllm_metadata"
+        assert "stopped advancing" in f.message and f.evidence["steps"] >= 10
+    finally:
+        lis.close()
+
+
+def test_status_command_and_the_gauge_over_http(capsys):
+    from workbench.adapters.vllm.connection import VllmConnection
+    from workbench.cli import main
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    stop = threading.Event()
+
+    def plugin():                              # repeats its status, as the plugin's ticker does
+        p = Plugin(addr)
+        while not stop.is_set():
+            p.status("vllm_pool", True, "EngineCore.step_with_batch_queue, batch queue size 2, AsyncScheduler")
+            p.status("vllm_metadata", False, reason="group 0 (MambaSpec: not checked)")
+            time.sleep(0.2)
+    t = threading.Thread(target=plugin, daemon=True)
+    t.start()
+    try:
+        rc = main(["vllm", "status", "--sanitizer", addr, "--wait", "5"])
+        lines = capsys.readouterr().out.splitlines()
+        assert rc == 1, lines                 # a check is not active: say so in the exit code
+        assert "vllm_pool: active via hook (EngineCore.step_with_batch_queue, batch queue size 2, AsyncScheduler)" \
+            in lines
+        assert "vllm_metadata: NOT active; group 0 (MambaSpec: not checked)" in lines
+        conn = VllmConnection(url=None, sanitizer=addr)
+        try:
+            assert wait(lambda: len(conn.checks()) == 2)
+            assert "vllm_metadata is NOT active" in " ".join(conn.problems())
+            assert "vllm_pool on (EngineCore.step_with_batch_queue" in conn.checks_line()
+            with conn.serve_metrics() as server:
+                text = urllib.request.urlopen(server.url, timeout=5).read().decode()
+            assert 'kvwb_vllm_check_active{check="vllm_pool"} 1.0' in text
+            assert 'kvwb_vllm_check_active{check="vllm_metadata"} 0.0' in text
+            assert 'kvwb_findings_total{probe="vllm_pool",severity="error"} 0.0' in text
+        finally:
+            conn.close()
+    finally:
+        stop.set()
+        t.join(2)
+
+
+def test_status_command_says_when_nothing_is_heard(capsys):
+    from workbench.cli import main
+    assert main(["vllm", "status", "--sanitizer", f"tcp://127.0.0.1:{free_port()}", "--wait", "0.2"]) == 3
+    assert "nothing heard" in capsys.readouterr().err
+    assert main(["vllm", "status", "--sanitizer", "tcp://10.0.0.1:5590", "--wait", "0.2"]) == 2
+    assert "binds only 127.0.0.1" in capsys.readouterr().err
