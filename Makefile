@@ -85,7 +85,7 @@ $(VLLM_ASCEND_SRC)/PKG-INFO:
 	if [ "$$got" != '$(VLLM_ASCEND_SHA256)' ]; then \
 	  echo "make vllm-ascend-src: $(VLLM_ASCEND_TGZ): sha256 $$got, expected $(VLLM_ASCEND_SHA256) (file removed)" >&2; \
 	  rm -f $(VLLM_ASCEND_TGZ); exit 1; fi
-	tar -xzf $(VLLM_ASCEND_TGZ) -C $(VLLM_ASCEND_DIR)
+	tar --no-same-owner -xzf $(VLLM_ASCEND_TGZ) -C $(VLLM_ASCEND_DIR)
 	@touch $@
 
 # Debian's chromium for the browser tests (Playwright cannot download its own browser here).

@@ -7,7 +7,9 @@ On what every step path and every model runner shares (issue 26):
                 EngineCore.step_with_batch_queue (async scheduling, pipeline parallel) call
                 them. Scheduler.__init__ reports which path vLLM picked (the status line).
   worker        AttentionMetadataBuilder.build on every backend's builder (CPU, CUDA,
-                vllm-ascend, v1 and v2 runners), now and as later imports define them;
+                vllm-ascend, v1 and v2 runners), now and as later imports define them,
+                and update_block_table (the V1 runner's shortcut for a further KV cache
+                group of the same spec on CUDA backends: metadata made without build);
                 execute_model on every model runner class that defines it (V1 GPU / CPU,
                 V2, NPUModelRunner) for the step's SchedulerOutput; the V2 runner's
                 prepare_inputs for its row order; initialize_kv_cache for the status line.
@@ -151,12 +153,20 @@ def _worker() -> None:
             return orig(self, *a, **kw)
         return hook
 
+    def update_block_table(orig):
+        def hook(self, metadata, blk_table, slot_mapping, *a, outer, **kw):
+            if outer:
+                _guard("metadata check", META.on_update_table, self, blk_table, slot_mapping)
+            return orig(self, metadata, blk_table, slot_mapping, *a, **kw)
+        return hook
+
     for base in _runner_bases():
         wrap_family(base, "execute_model", execute_model)
         wrap_family(base, "initialize_kv_cache", initialize_kv_cache)
         if "prepare_inputs" in base.__dict__:
             wrap_family(base, "prepare_inputs", prepare_inputs)
     wrap_family(AttentionMetadataBuilder, "build", build)
+    wrap_family(AttentionMetadataBuilder, "update_block_table", update_block_table)
 
 
 def _seams() -> None:

@@ -41,6 +41,7 @@ class MetadataWatch:
         self.req_ids = None              # the V2 runner's row order for this execution
         self.executions = 0
         self.done_groups: set[int] = set()
+        self.last_cm = None              # this execution's last metadata (update_block_table reuses it)
         self.since_check = 0
         self.inactive_said = False
         self.checks = 0
@@ -67,6 +68,7 @@ class MetadataWatch:
         self.ledger.apply(so)
         self.executions += 1
         self.done_groups = set()
+        self.last_cm = None
         if getattr(so, "total_num_scheduled_tokens", 0):
             self.since_check += 1
             if self.since_check >= self.s.inactive_after and not self.inactive_said:
@@ -89,11 +91,24 @@ class MetadataWatch:
             self.rep.error("fault seam (metadata)", e)
         if self.runner is None or self.last_so is None:
             return cm                                   # a warm-up or capture build: no real batch
+        self.last_cm = cm
         try:
             self.check(builder, cm)
         except Exception as e:
             self.rep.error("metadata check", e)
         return cm
+
+    def on_update_table(self, builder, block_table, slot_mapping) -> None:
+        """vLLM's shortcut for a further KV cache group of the same spec and builder (FlashAttention on
+        CUDA): the first group's metadata with this group's block table and slot mapping, no build()."""
+        cm = self.last_cm
+        if self.runner is None or cm is None:
+            return
+        try:
+            from dataclasses import replace
+            self.check(builder, replace(cm, block_table_tensor=block_table, slot_mapping=slot_mapping))
+        except Exception as e:
+            self.rep.error("metadata check (update_block_table)", e)
 
     # ---- the check --------------------------------------------------------------------------
     def _group(self, builder) -> int | None:
