@@ -61,6 +61,12 @@ def _vllm_version() -> str:
         return "?"
 
 
+def _need(wrapped: list[str], what: str) -> None:
+    """A hook the check cannot do without: its absence makes the check's status NOT active."""
+    if not wrapped:
+        raise AttributeError(f"{what} is not in this vLLM")
+
+
 def _guard(where: str, fn, *args) -> None:
     try:
         fn(*args)
@@ -96,8 +102,8 @@ def _engine_core() -> None:
                 _guard("status", POOL.on_scheduler_ready, self)
         return hook
 
-    wrap_family(Scheduler, "schedule", schedule)
-    wrap_family(Scheduler, "update_from_output", update_from_output)
+    _need(wrap_family(Scheduler, "schedule", schedule), "Scheduler.schedule")
+    _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
     wrap_family(Scheduler, "__init__", scheduler_init)
 
 
@@ -161,11 +167,11 @@ def _worker() -> None:
         return hook
 
     for base in _runner_bases():
-        wrap_family(base, "execute_model", execute_model)
+        _need(wrap_family(base, "execute_model", execute_model), f"{base.__module__}.{base.__name__}.execute_model")
         wrap_family(base, "initialize_kv_cache", initialize_kv_cache)
         if "prepare_inputs" in base.__dict__:
             wrap_family(base, "prepare_inputs", prepare_inputs)
-    wrap_family(AttentionMetadataBuilder, "build", build)
+    _need(wrap_family(AttentionMetadataBuilder, "build", build), "AttentionMetadataBuilder.build")
     wrap_family(AttentionMetadataBuilder, "update_block_table", update_block_table)
 
 

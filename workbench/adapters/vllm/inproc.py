@@ -93,6 +93,21 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
     return {"steps": steps, "outputs": outputs, "finished": finished, "step_s": step_s}
 
 
+def serve(core, seed0: int = 0) -> None:
+    """Rounds on demand, for a benchmark that interleaves engines: each stdin line
+    {"requests": n, "max_tokens": m, "seed": s} runs one round; one RESULT line answers it."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        ps = prompts(int(cmd["requests"]), seed=int(cmd.get("seed", seed0)))
+        tag = cmd.get("seed", 0)
+        res = run(core, [(f"s{tag}-r{i}", p) for i, p in enumerate(ps)], int(cmd["max_tokens"]))
+        res.pop("outputs")
+        sys.stdout.write("RESULT " + json.dumps(res) + "\n")
+        sys.stdout.flush()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -103,10 +118,19 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
     ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
+    ap.add_argument("--serve", action="store_true", help="run rounds asked for on stdin (serve())")
     a = ap.parse_args(argv)
     from .model_dir import DEFAULT_DIR
     core = make_core(a.model or str(DEFAULT_DIR), batch_queue=a.batch_queue, num_blocks=a.num_blocks,
                      max_num_seqs=a.max_num_seqs)
+    if a.serve:
+        sys.stdout.write("READY " + json.dumps({"num_blocks": len(core.scheduler.kv_cache_manager.block_pool.blocks)})
+                         + "\n")
+        sys.stdout.flush()
+        serve(core)
+        time.sleep(a.settle_s)
+        core.shutdown()
+        return
     reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests))]
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
     res = run(core, reqs, a.max_tokens, abort)

@@ -1,0 +1,49 @@
+"""A tiny random-weight Llama as a safetensors directory vLLM loads: pools of 100k blocks fit here.
+
+SmolLM2's K/V take ~23 KB a token; 100,000 blocks of 32 tokens would need ~74 GB. This model
+(2 layers, 1 KV head of 64) takes 512 B a token, 1.6 GB for the same pool, so the plugin's cost
+can be measured at production pool sizes on this machine. Its steps are far shorter than a
+real model's, which makes the plugin's share of a step a pessimistic bound. Written once by
+transformers (random weights, SmolLM2's tokenizer files), reused while complete.
+
+    .venv/bin/python -m workbench.adapters.vllm.tiny_model [OUT]      # prints the directory
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .model_dir import DEFAULT_DIR, write_model_dir
+
+DEFAULT_TINY_DIR = Path(os.environ.get("PAGEDKV_VLLM_TINY_DIR",
+                                       Path(__file__).resolve().parents[3] / ".cache" / "vllm-tiny-model"))
+_DONE = ".written"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                    "special_tokens_map.json")
+
+
+def write_tiny_model_dir(out: str | Path = DEFAULT_TINY_DIR) -> Path:
+    out = Path(out)
+    if (out / _DONE).exists():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    src = write_model_dir(DEFAULT_DIR)               # for the tokenizer (and its vocabulary size)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    (out / _DONE).write_text("ok\n")
+    return out
+
+
+if __name__ == "__main__":
+    print(write_tiny_model_dir(*(sys.argv[1:2])))
