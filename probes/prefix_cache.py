@@ -22,11 +22,9 @@ requester's chain is computed once per admission from one array).
 """
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
-import numpy as np
-
+from probes.provenance import chain
 from workbench.events import PagesRegistered, RequestAdmitted
 from workbench.probe import Probe
 
@@ -38,15 +36,9 @@ HINT_REG = ("a page was entered in the prefix cache under another index than the
 
 
 def history_crcs(tokens, num_pages: int, page_size: int) -> list[int]:
-    """CRC32 chained over the token ids of pages 0..num_pages-1 (each entry covers all before it)."""
-    arr = np.asarray(tokens[: num_pages * page_size], dtype=np.int64)
-    out, crc = [], 0
-    mv = memoryview(arr).cast("B")
-    step = page_size * 8
-    for j in range(min(num_pages, len(arr) // page_size)):
-        crc = zlib.crc32(mv[j * step:(j + 1) * step], crc)
-        out.append(crc)
-    return out
+    """CRC32 chained over the token ids of pages 0..num_pages-1 (each entry covers all before it):
+    probes/provenance.py's chain, the digest the vLLM plugin's prefix provenance uses too."""
+    return chain(tokens, page_size, num_pages)
 
 
 class PrefixCacheProbe(Probe):

@@ -127,3 +127,23 @@ def test_a_check_that_stops_running_becomes_a_check_inactive_warning():
     assert warn and warn[0].severity == "warn" and warn[0].probe == "vllm_metadata", [f.message for f in r.findings]
     assert "has not run for 8 steps" in warn[0].message and "CPUModelRunner" in warn[0].message
     assert any("check-inactive" in ln for ln in plugin_lines(r.log))
+
+
+# ---- prefix provenance (issue 27's first part) ------------------------------------------------
+def test_a_prefix_hash_that_forgets_a_token_is_caught_by_provenance(tmp_path):
+    # r1.. share r0's prompt except the last token of its first block (position 31); they arrive
+    # after r0 has filled its blocks. With the hash leaving that token out, they hit r0's block.
+    args = ("--requests", "4", "--max-tokens", "24", "--stagger", "4", "--differ-at", "31")
+    clean = run_inproc(*args)
+    assert clean.rc == 0 and not clean.at_least("warn"), [f.message for f in clean.findings]
+    r = run_inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "prefix_hash_ignores_last_token")})
+    assert r.rc == 0
+    # the K/V really was another request's: r1's log-probs moved, r0's (the filler) did not
+    moved = {rid: max(abs(a - b) for a, b in zip(clean.result["logprobs"][rid], r.result["logprobs"][rid]))
+             for rid in clean.result["logprobs"]}
+    assert moved["r0"] == 0 and all(moved[f"r{i}"] > 1e-3 for i in (1, 2, 3)), moved
+    found = {f.request_id: f for f in r.at_least("error") if f.kind == "prefix-provenance"}
+    assert set(found) == {"r1", "r2", "r3"}, [f.message for f in r.findings]
+    f = found["r1"]
+    assert f.evidence["position"] == 31 and f.evidence["filled_for"] == "r0" and f.evidence["index"] == 0
+    assert f.page is not None and "first differing token at position 31" in f.message

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from probes.provenance import ProvenanceLedger, chain, seed
+
 from . import sanitizer
 from . import status as st
 from .ledger import BlockLedger
@@ -46,6 +48,8 @@ class PoolWatch:
         self._sweeper: threading.Thread | None = None
         self._wake: threading.Event | None = None
         self._idle_at = None
+        self.prov: ProvenanceLedger | None = None
+        self.crc: dict[str, tuple[int, int]] = {}     # request -> (blocks digested, running digest)
 
     # ---- the hooks' callbacks -------------------------------------------------------------
     def on_scheduler_ready(self, scheduler) -> None:
@@ -62,10 +66,15 @@ class PoolWatch:
                                        path, reason))
 
     def on_schedule(self, scheduler, so, t0: float) -> None:
+        t_in = time.perf_counter()
         if self.ledger is None:
             self.ledger = BlockLedger(len(scheduler.kv_cache_manager.block_pool.blocks))
         d = self.ledger.apply(so)
         self.touched |= d.touched()
+        for rid in d.released:
+            self.crc.pop(rid, None)
+        self._provenance(scheduler, so)
+        self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
         self.t_sched[id(so)] = t0
         if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
             self.t_sched.pop(next(iter(self.t_sched)))
@@ -89,6 +98,53 @@ class PoolWatch:
         self.check(scheduler, step_s, idle)
         if idle:
             self._sweep_when_idle(scheduler)
+
+    # ---- prefix provenance (probes/provenance.py) --------------------------------------------
+    def _provenance(self, scheduler, so) -> None:
+        """Hits checked against what the blocks were filled with; blocks this step fills recorded.
+        At schedule time: vLLM has already counted this step's tokens as computed, and the step's
+        forward writes their K/V. Only with one KV cache group (a hybrid model's groups: issue 27)."""
+        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+        if len(groups) != 1:
+            return
+        bs = int(scheduler.block_size)
+        if self.prov is None:
+            self.prov = ProvenanceLedger(bs)
+        hits = [(nr.req_id, int(nr.num_computed_tokens)) for nr in getattr(so, "scheduled_new_reqs", ()) or ()]
+        c = getattr(so, "scheduled_cached_reqs", None)
+        if c is not None:
+            resumed = set(getattr(c, "resumed_req_ids", None) or ())
+            hits += [(r, int(n)) for r, n in zip(c.req_ids, c.num_computed_tokens) if r in resumed]
+        found = []
+        for rid, computed in hits:
+            req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
+            if req is None or entry is None:
+                continue
+            k = computed // bs
+            tokens = req.all_token_ids
+            digests = chain(tokens, bs, k, seed(_extra_keys(req)))
+            if k:
+                m = self.prov.check_hit(rid, entry.groups[0][:k], tokens, digests)
+                if m is not None:
+                    found.append(sanitizer.provenance_finding(self.step + 1, m, bs))
+            self.crc[rid] = (len(digests), digests[-1] if digests else seed(_extra_keys(req)))
+        for rid, n in (getattr(so, "num_scheduled_tokens", None) or {}).items():
+            req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
+            if req is None or entry is None:
+                continue
+            tokens = req.all_token_ids
+            full = min(int(req.num_computed_tokens), len(tokens)) // bs
+            done, crc = self.crc.get(rid, (0, seed(_extra_keys(req))))
+            if full <= done or done > len(entry.groups[0]):
+                continue
+            new = chain(tokens[done * bs:full * bs], bs, full - done, crc)
+            for i, dg in enumerate(new):
+                j = done + i
+                if j < len(entry.groups[0]):
+                    self.prov.fill(entry.groups[0][j], j, dg, tokens, rid)
+            self.crc[rid] = (done + len(new), new[-1] if new else crc)
+        if found:
+            self.rep.findings(found, key=lambda f: ("provenance", f["request_id"], f["page"]))
 
     # ---- the idle sweep, off vLLM's step ----------------------------------------------------
     def _sweep_when_idle(self, scheduler) -> None:
@@ -160,7 +216,7 @@ class PoolWatch:
         self.rep.send(b"step", {
             "step": self.step, "t": time.time(), "step_s": step_s, "check_s": self.check_s, "num_blocks": n,
             "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
-            "waiting": len(scheduler.requests) - running, "full": full,
+            "waiting": len(scheduler.requests) - running, "full": full, "idle_sweep": deferred is not None,
             "process": multiprocessing.current_process().name, **extra}, arrays)
         self.check_s = 0.0
         if found:
@@ -235,6 +291,14 @@ class PoolWatch:
             hs = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
             extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in hs]
         return found, (ref.astype(np.int32), owner, cached), extra
+
+
+def _extra_keys(req) -> tuple:
+    """What besides the tokens changes a block's K/V: the LoRA, the cache salt, multimodal inputs."""
+    lora = getattr(req, "lora_request", None)
+    mm = tuple(getattr(f, "identifier", None) or getattr(f, "mm_hash", None) for f in (getattr(req, "mm_features", None)
+                                                                                      or ()))
+    return (getattr(lora, "lora_name", None), getattr(req, "cache_salt", None), *mm)
 
 
 def _index_errors(pool, has_hash) -> tuple[list[int], list[int]]:

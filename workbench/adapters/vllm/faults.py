@@ -9,6 +9,10 @@ Each reproduces a production bug in the engine users run, where our checks must 
                                page index at a block boundary)
   abort_keeps_blocks           an aborted request's blocks are never freed (an abort path that
                                skips kv_cache_manager.free: the SGLang-style leak)
+  prefix_hash_ignores_last_token  the prefix-cache block hash leaves out each block's last token,
+                               so two prompts that differ only there share K/V (a hash that
+                               forgets part of its key: wrong text with every bookkeeping check
+                               passing; the plugin's prefix provenance sees it)
 
 Which are on is read from a JSON file, {"faults": [names]}, named by
 PAGEDKV_VLLM_FAULT_FILE; every vLLM process re-reads it when its mtime changes (checked at
@@ -22,7 +26,8 @@ import os
 import time
 from dataclasses import replace
 
-FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks")
+FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks",
+          "prefix_hash_ignores_last_token")
 
 
 class FaultSwitch:
@@ -120,3 +125,10 @@ def skip_free(switch: FaultSwitch, request) -> bool:
         return False
     status = getattr(request, "status", None)
     return status is not None and "ABORT" in getattr(status, "name", str(status))
+
+
+def block_tokens(switch: FaultSwitch, tokens):
+    """The token ids vLLM's block hash covers."""
+    if switch.on("prefix_hash_ignores_last_token") and len(tokens) > 1:
+        return tokens[:-1]
+    return tokens

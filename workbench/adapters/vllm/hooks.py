@@ -13,7 +13,8 @@ On what every step path and every model runner shares (issue 26):
                 execute_model on every model runner class that defines it (V1 GPU / CPU,
                 V2, NPUModelRunner) for the step's SchedulerOutput; the V2 runner's
                 prepare_inputs for its row order; initialize_kv_cache for the status line.
-  fault seam    Scheduler._free_request_blocks (faults.py's abort leak).
+  fault seams   Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
+                hash_block_tokens (its prefix-hash fault).
 
 A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
 the rest install. Every callback runs inside try/except: an exception of ours is one log
@@ -191,3 +192,16 @@ def _seams() -> None:
         return hook
 
     wrap_family(Scheduler, "_free_request_blocks", free_request_blocks)
+
+    # the block hasher looks hash_block_tokens up in its module at each call
+    from vllm.v1.core import kv_cache_utils
+    hash_block_tokens = kv_cache_utils.hash_block_tokens
+
+    def hashed(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw):
+        try:
+            curr_block_token_ids = faults.block_tokens(META.switch, curr_block_token_ids)
+        except Exception as e:
+            REP.error("fault seam (block hash)", e)
+        return hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw)
+
+    kv_cache_utils.hash_block_tokens = hashed

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import sys
 import time
@@ -51,32 +53,46 @@ def make_core(model: str, *, batch_queue: bool, block_size: int = 32, num_blocks
 def request(rid: str, ids: list[int], max_tokens: int):
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
     return EngineCoreRequest(request_id=rid, prompt_token_ids=ids, mm_features=None, sampling_params=sp,
                              pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
                              data_parallel_rank=None)
 
 
-def prompts(n: int, shared: int = 70, seed: int = 0) -> list[list[int]]:
-    """n prompts sharing a `shared`-token prefix (prefix-cache hits), each with its own tail."""
+def prompts(n: int, shared: int = 70, seed: int = 0, differ_at: int | None = None) -> list[list[int]]:
+    """n prompts sharing a `shared`-token prefix (prefix-cache hits), each with its own tail;
+    differ_at: request i > 0 has its own token at that position of the shared prefix."""
     import random
     rng = random.Random(seed)
     head = [1] + [rng.randrange(200, 20000) for _ in range(shared - 1)]
-    return [head + [rng.randrange(200, 20000) for _ in range(17 + 13 * i % 60)] for i in range(n)]
+    out = [head + [rng.randrange(200, 20000) for _ in range(17 + 13 * i % 60)] for i in range(n)]
+    if differ_at is not None:
+        for i, p in enumerate(out[1:], start=1):
+            p[differ_at] = 20000 + i
+    return out
 
 
 def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | None = None,
-        max_steps: int = 100_000) -> dict:
-    """Add the requests, step until all are done; abort {request id: after this many steps}."""
-    for rid, ids in reqs:
-        r, wave = core.preprocess_add_request(request(rid, ids, max_tokens))
-        core.add_request(r, wave)
+        max_steps: int = 100_000, stagger: int = 0) -> dict:
+    """Add the requests (one every `stagger` steps, or all at once), step until all are done;
+    abort {request id: after this many steps}."""
+    pending = list(reqs)
+
+    def add(n):
+        for rid, ids in pending[:n]:
+            r, wave = core.preprocess_add_request(request(rid, ids, max_tokens))
+            core.add_request(r, wave)
+        del pending[:n]
+    add(1 if stagger else len(pending))
     outputs: dict[str, list[int]] = {rid: [] for rid, _ in reqs}
+    logprobs: dict[str, list[float]] = {rid: [] for rid, _ in reqs}      # of each sampled token
     finished: dict[str, str] = {}
     step_s: list[float] = []
     steps = 0
     abort = dict(abort or {})
-    while (core.scheduler.has_requests() or core.batch_queue) and steps < max_steps:
+    while (core.scheduler.has_requests() or core.batch_queue or pending) and steps < max_steps:
+        if pending and steps % stagger == 0 and steps:
+            add(1)
         for rid, after in list(abort.items()):
             if steps >= after:
                 core.abort_requests([rid])
@@ -88,9 +104,12 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
         for o in (outs or {}).values():
             for x in o.outputs:
                 outputs.setdefault(x.request_id, []).extend(x.new_token_ids)
+                if x.new_logprobs is not None:
+                    logprobs.setdefault(x.request_id, []).extend(
+                        float(v) for v in np.asarray(x.new_logprobs.logprobs)[:, 0])
                 if x.finish_reason is not None:
                     finished[x.request_id] = str(x.finish_reason)
-    return {"steps": steps, "outputs": outputs, "finished": finished, "step_s": step_s}
+    return {"steps": steps, "outputs": outputs, "logprobs": logprobs, "finished": finished, "step_s": step_s}
 
 
 def serve(core, seed0: int = 0) -> None:
@@ -104,6 +123,7 @@ def serve(core, seed0: int = 0) -> None:
         tag = cmd.get("seed", 0)
         res = run(core, [(f"s{tag}-r{i}", p) for i, p in enumerate(ps)], int(cmd["max_tokens"]))
         res.pop("outputs")
+        res.pop("logprobs")
         sys.stdout.write("RESULT " + json.dumps(res) + "\n")
         sys.stdout.flush()
 
@@ -117,6 +137,9 @@ def main(argv=None) -> None:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
+    ap.add_argument("--stagger", type=int, default=0, metavar="STEPS", help="add one request every STEPS steps")
+    ap.add_argument("--differ-at", type=int, default=None, metavar="POS",
+                    help="requests after the first differ from it at this position of the shared prefix only")
     ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
     ap.add_argument("--serve", action="store_true", help="run rounds asked for on stdin (serve())")
     a = ap.parse_args(argv)
@@ -131,9 +154,9 @@ def main(argv=None) -> None:
         time.sleep(a.settle_s)
         core.shutdown()
         return
-    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests))]
+    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, differ_at=a.differ_at))]
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
-    res = run(core, reqs, a.max_tokens, abort)
+    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger)
     res.update(step_fn=core.step_fn.__name__, scheduler=type(core.scheduler).__name__,
                batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
     time.sleep(a.settle_s)

@@ -116,7 +116,7 @@ class SanitizerListener:
                     self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
                                           arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
-                                                  "running", "waiting", "hashed", "full", "process")}
+                                                  "running", "waiting", "hashed", "full", "idle_sweep", "process")}
                 self.steps.append(row)
                 self._judge_inactive()
                 if "hashes" in header:            # sent at idle: the pool's prefix-cache blocks

@@ -45,6 +45,10 @@ HINTS = {
     "free-with-refs": "a block on the free queue with references is handed out while still read",
     "counts": "num_free_blocks disagrees with the free queue",
     "cache-index": "the prefix index (cached_block_hash_to_block) and the blocks' hashes disagree",
+    "prefix-provenance": "a prefix-cache hit served a block filled for another token history: the block hash "
+                         "must chain its parent and cover every token and extra key (LoRA, cache salt, multimodal "
+                         "inputs) of the block: look at hash_block_tokens / the request's block hasher; reset the "
+                         "prefix cache after the fix",
     "check-inactive": "a check that should run on this path has not: see the plugin's status lines in vLLM's log "
                       "(`kvwb vllm status`) for the hook it waits on",
 }
@@ -241,3 +245,14 @@ def touched_block_findings(step: int, blocks, ref, in_queue, expected, last_hold
 def inactive_finding(probe: str, check: str, steps: int, why: str) -> dict:
     return finding(probe, "check-inactive", "warn",
                    f"{check} has not run for {steps} steps with work: {why}", None, check=check, steps=steps)
+
+
+def provenance_finding(step: int, m, block_size: int) -> dict:
+    """probes/provenance.py's Mismatch as a finding: the requester, the block, the first differing token."""
+    where = (f"first differing token at position {m.position}" if m.position >= 0
+             else "the same tokens under other extra keys (LoRA, cache salt, multimodal input)")
+    return finding(PROBE_POOL, "prefix-provenance", "error",
+                   f"step {step}: request {m.request} got a prefix-cache hit on block {m.block} (its block "
+                   f"{m.index}), filled for request {m.filled_for} as its block {m.recorded_index}: {where}",
+                   step, m.request, m.block, position=m.position, filled_for=m.filled_for, index=m.index,
+                   recorded_index=m.recorded_index)
