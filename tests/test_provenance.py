@@ -41,3 +41,10 @@ def test_a_hit_on_a_block_filled_for_another_history_names_the_position_and_the_
     # a block served at another index than it was filled at
     m = led.check_hit("d", [41], a[8:], chain(a[8:], bs, 1))
     assert m.recorded_index == 1 and m.index == 0 and m.position == 0
+
+
+def test_stalled_names_who_waited_long_with_room_longest_first():
+    from probes.progress import stalled
+    waiting = {"a": (10, 4), "b": (0, 4), "c": (0, 900), "d": (95, 1)}
+    assert stalled(100, waiting, free_blocks=500, after=64) == [("b", 100, 4), ("a", 90, 4)]
+    assert stalled(100, waiting, free_blocks=3, after=64) == []       # no room: waiting is fair

@@ -147,3 +147,17 @@ def test_a_prefix_hash_that_forgets_a_token_is_caught_by_provenance(tmp_path):
     f = found["r1"]
     assert f.evidence["position"] == 31 and f.evidence["filled_for"] == "r0" and f.evidence["index"] == 0
     assert f.page is not None and "first differing token at position 31" in f.message
+
+
+# ---- forward progress (issue 27, item 3) -------------------------------------------------------
+def test_a_request_refused_admission_with_room_in_the_pool_is_stalled_naming_it(tmp_path):
+    # r3's prompt (126 tokens) is refused by allocate_slots though the pool has ~1,500 free blocks:
+    # once r0..r2 finish, nothing runs and r3 waits forever (the Running=0 / Waiting=N hang)
+    r = run_inproc("--requests", "4", "--max-tokens", "16", "--max-steps", "120",
+                   env={"PAGEDKV_VLLM_STALL_AFTER": "32",
+                        "PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "admission_refuses_long_prompts")})
+    assert r.rc == 0 and r.result["steps"] == 120 and sorted(r.result["finished"]) == ["r0", "r1", "r2"]
+    assert r.result["outputs"]["r3"] == []                          # it really never ran
+    (f,) = [f for f in r.findings if f.kind == "stalled"]
+    assert f.severity == "error" and f.request_id == "r3" and "nothing is running: the engine is hung" in f.message
+    assert f.evidence["needs"] <= f.evidence["free_blocks"] and f.evidence["waited"] >= 32

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from probes.progress import stalled
 from probes.provenance import ProvenanceLedger, chain, seed
 
 from . import sanitizer
@@ -49,6 +50,9 @@ class PoolWatch:
         self._wake: threading.Event | None = None
         self._idle_at = None
         self.prov: ProvenanceLedger | None = None
+        self.progress: dict[str, int] = {}            # request -> the last step it was scheduled (or arrived)
+        self.stall_said: set[str] = set()
+        self.saturated_at = 0                         # the last step the scheduler had no seat or budget left
         self.crc: dict[str, tuple[int, int]] = {}     # request -> (blocks digested, running digest)
 
     # ---- the hooks' callbacks -------------------------------------------------------------
@@ -74,6 +78,7 @@ class PoolWatch:
         for rid in d.released:
             self.crc.pop(rid, None)
         self._provenance(scheduler, so)
+        self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
         self.t_sched[id(so)] = t0
         if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
@@ -145,6 +150,51 @@ class PoolWatch:
             self.crc[rid] = (done + len(new), new[-1] if new else crc)
         if found:
             self.rep.findings(found, key=lambda f: ("provenance", f["request_id"], f["page"]))
+
+    # ---- forward progress (probes/progress.py) --------------------------------------------
+    def _progress(self, scheduler, so) -> None:
+        """Requests that are not running and have not been scheduled for `stall_after` steps while
+        the pool holds what they need: `stalled` (error when nothing runs at all: a hang)."""
+        step = self.ledger.steps
+        for rid in getattr(so, "num_scheduled_tokens", None) or {}:
+            self.progress[rid] = step
+        # a step with every seat or the whole token budget taken is a fair reason to wait: the clock
+        # of every waiting request starts again after it
+        seats = getattr(scheduler, "max_num_running_reqs", None)
+        budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+        if (seats is not None and len(scheduler.running) >= seats) or \
+                (budget is not None and getattr(so, "total_num_scheduled_tokens", 0) >= budget):
+            self.saturated_at = step
+        if step % 8:
+            return                                    # every 8th output: O(requests) is cheap then
+        running = {r.request_id for r in scheduler.running}
+        bs = int(scheduler.block_size)
+        waiting = {}
+        for rid, r in list(scheduler.requests.items()):
+            if rid in running or r.is_finished():
+                continue
+            since = max(self.progress.setdefault(rid, step), self.saturated_at)
+            waiting[rid] = (since, -(-(r.num_tokens - r.num_computed_tokens) // bs))
+        for rid in [r for r in self.progress if r not in scheduler.requests]:
+            del self.progress[rid]
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        found = []
+        for rid, waited, need in stalled(step, waiting, free, self.s.stall_after):
+            if rid in self.stall_said:
+                continue
+            self.stall_said.add(rid)
+            hang = not running
+            found.append(sanitizer.finding(
+                sanitizer.PROBE_POOL, "stalled", "error" if hang else "warn",
+                f"step {self.step}: request {rid} has waited {waited} steps unscheduled although the pool has "
+                f"{free} free blocks and it needs {need}" + (" (nothing is running: the engine is hung)" if hang
+                                                              else f" ({len(running)} requests running)"),
+                self.step, rid, None, waited=waited, free_blocks=free, needs=need, running=len(running),
+                waiting=len(waiting)))
+        if len(self.stall_said) > 100_000:
+            self.stall_said.clear()
+        if found:
+            self.rep.findings(found, key=lambda f: ("stalled", f["request_id"]))
 
     # ---- the idle sweep, off vLLM's step ----------------------------------------------------
     def _sweep_when_idle(self, scheduler) -> None:

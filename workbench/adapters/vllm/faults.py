@@ -13,6 +13,9 @@ Each reproduces a production bug in the engine users run, where our checks must 
                                so two prompts that differ only there share K/V (a hash that
                                forgets part of its key: wrong text with every bookkeeping check
                                passing; the plugin's prefix provenance sees it)
+  admission_refuses_long_prompts  allocate_slots refuses every waiting request with a prompt over
+                               120 tokens although the pool has room (admission arithmetic gone
+                               wrong): it waits forever, and so does the queue behind it
 
 Which are on is read from a JSON file, {"faults": [names]}, named by
 PAGEDKV_VLLM_FAULT_FILE; every vLLM process re-reads it when its mtime changes (checked at
@@ -27,7 +30,7 @@ import time
 from dataclasses import replace
 
 FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks",
-          "prefix_hash_ignores_last_token")
+          "prefix_hash_ignores_last_token", "admission_refuses_long_prompts")
 
 
 class FaultSwitch:
@@ -132,3 +135,11 @@ def block_tokens(switch: FaultSwitch, tokens):
     if switch.on("prefix_hash_ignores_last_token") and len(tokens) > 1:
         return tokens[:-1]
     return tokens
+
+
+def refuse_admission(switch: FaultSwitch, request) -> bool:
+    """True when this allocation must fail as if the pool were full (the admission fault)."""
+    if not switch.on("admission_refuses_long_prompts"):
+        return False
+    status = getattr(getattr(request, "status", None), "name", "")
+    return status.startswith("WAITING") and getattr(request, "num_prompt_tokens", 0) > 120

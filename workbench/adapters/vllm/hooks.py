@@ -14,7 +14,8 @@ On what every step path and every model runner shares (issue 26):
                 V2, NPUModelRunner) for the step's SchedulerOutput; the V2 runner's
                 prepare_inputs for its row order; initialize_kv_cache for the status line.
   fault seams   Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
-                hash_block_tokens (its prefix-hash fault).
+                hash_block_tokens (its prefix-hash fault), KVCacheManager.allocate_slots
+                (its admission fault).
 
 A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
 the rest install. Every callback runs inside try/except: an exception of ours is one log
@@ -205,3 +206,17 @@ def _seams() -> None:
         return hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw)
 
     kv_cache_utils.hash_block_tokens = hashed
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    def allocate_slots(orig):
+        def hook(self, request, *a, outer, **kw):
+            try:
+                refuse = outer and faults.refuse_admission(META.switch, request)
+            except Exception as e:
+                REP.error("fault seam (admission)", e)
+                refuse = False
+            return None if refuse else orig(self, request, *a, **kw)
+        return hook
+
+    wrap_family(KVCacheManager, "allocate_slots", allocate_slots)

@@ -137,6 +137,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
+    ap.add_argument("--max-steps", type=int, default=100_000, help="stop stepping after this many (a hung engine)")
     ap.add_argument("--stagger", type=int, default=0, metavar="STEPS", help="add one request every STEPS steps")
     ap.add_argument("--differ-at", type=int, default=None, metavar="POS",
                     help="requests after the first differ from it at this position of the shared prefix only")
@@ -156,7 +157,7 @@ def main(argv=None) -> None:
         return
     reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, differ_at=a.differ_at))]
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
-    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger)
+    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps)
     res.update(step_fn=core.step_fn.__name__, scheduler=type(core.scheduler).__name__,
                batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
     time.sleep(a.settle_s)

@@ -49,6 +49,9 @@ HINTS = {
                          "must chain its parent and cover every token and extra key (LoRA, cache salt, multimodal "
                          "inputs) of the block: look at hash_block_tokens / the request's block hasher; reset the "
                          "prefix cache after the fix",
+    "stalled": "a request waits although the pool could hold it: look at the admission path (the free-block "
+               "arithmetic allocate_slots uses, a reservation never released, a request stuck at the head of "
+               "the waiting queue blocking the rest)",
     "check-inactive": "a check that should run on this path has not: see the plugin's status lines in vLLM's log "
                       "(`kvwb vllm status`) for the hook it waits on",
 }

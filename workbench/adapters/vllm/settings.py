@@ -10,6 +10,8 @@ the variable, the value and what was used instead) and the default is kept.
   PAGEDKV_VLLM_FULL_EVERY    a full sweep of the pool every N pool checks            default 256
   PAGEDKV_VLLM_INACTIVE_AFTER  a check that should have run and has not, for N steps
                              with work, is a `check-inactive` warning                 default 64
+  PAGEDKV_VLLM_STALL_AFTER   a request not running and unscheduled for N steps while the pool
+                             has room for it is `stalled`                             default 256
   PAGEDKV_VLLM_FAULT_FILE    a JSON file naming faults to plant (tests, notebooks; faults.py)
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ ENV_POOL_EVERY = "PAGEDKV_VLLM_POOL_EVERY"
 ENV_FULL_EVERY = "PAGEDKV_VLLM_FULL_EVERY"
 ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
 ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
+ENV_STALL_AFTER = "PAGEDKV_VLLM_STALL_AFTER"
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Settings:
     pool_every: int = 1
     full_every: int = 256
     inactive_after: int = 64
+    stall_after: int = 256
     fault_file: str | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -82,5 +86,6 @@ def read(env=None) -> Settings:
     s.pool_every = _whole(env, ENV_POOL_EVERY, 1, s.problems)
     s.full_every = _whole(env, ENV_FULL_EVERY, 256, s.problems)
     s.inactive_after = _whole(env, ENV_INACTIVE_AFTER, 64, s.problems)
+    s.stall_after = _whole(env, ENV_STALL_AFTER, 256, s.problems)
     s.fault_file = env.get(ENV_FAULT_FILE) or None
     return s
