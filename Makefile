@@ -80,7 +80,8 @@ vllm-ascend-src: $(VLLM_ASCEND_SRC)/PKG-INFO
 $(VLLM_ASCEND_SRC)/PKG-INFO:
 	@mkdir -p $(VLLM_ASCEND_DIR)
 	@[ -f $(VLLM_ASCEND_TGZ) ] || { echo "downloading $(VLLM_ASCEND_SDIST_URL)"; \
-	  curl -fsSL --retry 3 -o $(VLLM_ASCEND_TGZ).part '$(VLLM_ASCEND_SDIST_URL)' && mv $(VLLM_ASCEND_TGZ).part $(VLLM_ASCEND_TGZ); }
+	  $(PY) -c 'import shutil, sys, urllib.request as u; r = u.urlopen(sys.argv[1], timeout=120); shutil.copyfileobj(r, open(sys.argv[2], "wb"))' \
+	    '$(VLLM_ASCEND_SDIST_URL)' $(VLLM_ASCEND_TGZ).part && mv $(VLLM_ASCEND_TGZ).part $(VLLM_ASCEND_TGZ); }
 	@got=$$($(PY) -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' $(VLLM_ASCEND_TGZ)); \
 	if [ "$$got" != '$(VLLM_ASCEND_SHA256)' ]; then \
 	  echo "make vllm-ascend-src: $(VLLM_ASCEND_TGZ): sha256 $$got, expected $(VLLM_ASCEND_SHA256) (file removed)" >&2; \

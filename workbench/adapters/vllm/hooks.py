@@ -177,25 +177,30 @@ def _worker() -> None:
     wrap_family(AttentionMetadataBuilder, "update_block_table", update_block_table)
 
 
-def _seams() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    def free_request_blocks(orig):
+def _none_when(where: str, fault):
+    """A seam that makes the wrapped call do nothing (return None) for a request the fault picks."""
+    def make(orig):
         def hook(self, request, *a, outer, **kw):
             try:
-                skip = outer and faults.skip_free(META.switch, request)
+                skip = outer and fault(META.switch, request)
             except Exception as e:
-                REP.error("fault seam (free)", e)
+                REP.error(f"fault seam ({where})", e)
                 skip = False
-            if skip:
-                return None
-            return orig(self, request, *a, **kw)
+            return None if skip else orig(self, request, *a, **kw)
         return hook
+    return make
 
-    wrap_family(Scheduler, "_free_request_blocks", free_request_blocks)
+
+def _seams() -> None:
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    wrap_family(Scheduler, "_free_request_blocks", _none_when("free", faults.skip_free))
+    # None from allocate_slots: vLLM's "no room", so the request keeps waiting
+    wrap_family(KVCacheManager, "allocate_slots", _none_when("admission", faults.refuse_admission))
 
     # the block hasher looks hash_block_tokens up in its module at each call
-    from vllm.v1.core import kv_cache_utils
     hash_block_tokens = kv_cache_utils.hash_block_tokens
 
     def hashed(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw):
@@ -206,17 +211,3 @@ def _seams() -> None:
         return hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw)
 
     kv_cache_utils.hash_block_tokens = hashed
-
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    def allocate_slots(orig):
-        def hook(self, request, *a, outer, **kw):
-            try:
-                refuse = outer and faults.refuse_admission(META.switch, request)
-            except Exception as e:
-                REP.error("fault seam (admission)", e)
-                refuse = False
-            return None if refuse else orig(self, request, *a, **kw)
-        return hook
-
-    wrap_family(KVCacheManager, "allocate_slots", allocate_slots)
