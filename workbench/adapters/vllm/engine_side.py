@@ -139,9 +139,11 @@ class PoolWatch:
                 continue
             tokens = req.all_token_ids
             full = min(int(req.num_computed_tokens), len(tokens)) // bs
-            done, crc = self.crc.get(rid, (0, seed(_extra_keys(req))))
+            done, crc = self.crc.get(rid) or (0, None)
             if full <= done or done > len(entry.groups[0]):
                 continue
+            if crc is None:
+                crc = seed(_extra_keys(req))
             new = chain(tokens[done * bs:full * bs], bs, full - done, crc)
             for i, dg in enumerate(new):
                 j = done + i
@@ -263,12 +265,13 @@ class PoolWatch:
         self.check_s += time.perf_counter() - t0
         q = pool.free_block_queue
         running = len(scheduler.running)
+        t_send = time.perf_counter()
         self.rep.send(b"step", {
             "step": self.step, "t": time.time(), "step_s": step_s, "check_s": self.check_s, "num_blocks": n,
             "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
             "waiting": len(scheduler.requests) - running, "full": full, "idle_sweep": deferred is not None,
             "process": multiprocessing.current_process().name, **extra}, arrays)
-        self.check_s = 0.0
+        self.check_s = time.perf_counter() - t_send        # the send counts too: in the next step's figure
         if found:
             # a leak is one condition per request (the sweep and the incremental check see it from
             # different blocks); the others per block
