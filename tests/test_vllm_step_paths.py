@@ -154,7 +154,7 @@ def test_a_request_refused_admission_with_room_in_the_pool_is_stalled_naming_it(
     # r3's prompt (126 tokens) is refused by allocate_slots though the pool has ~1,500 free blocks:
     # once r0..r2 finish, nothing runs and r3 waits forever (the Running=0 / Waiting=N hang)
     r = run_inproc("--requests", "4", "--max-tokens", "16", "--max-steps", "120",
-                   env={"PAGEDKV_VLLM_STALL_AFTER": "32",
+                   env={"PAGEDKV_VLLM_STALL_AFTER": "32", "PAGEDKV_VLLM_STALL_AFTER_S": "0",
                         "PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "admission_refuses_long_prompts")})
     assert r.rc == 0 and r.result["steps"] == 120 and sorted(r.result["finished"]) == ["r0", "r1", "r2"]
     assert r.result["outputs"]["r3"] == []                          # it really never ran

@@ -49,8 +49,10 @@ class PoolWatch:
         self._sweeper: threading.Thread | None = None
         self._wake: threading.Event | None = None
         self._idle_at = None
+        self.counts_ok = True                         # every group full attention: the ledger's counts hold
         self.prov: ProvenanceLedger | None = None
         self.progress: dict[str, int] = {}            # request -> the last step it was scheduled (or arrived)
+        self.progress_t: dict[str, float] = {}        # request -> when it was first seen waiting since then
         self.stall_said: set[str] = set()
         self.saturated_at = 0                         # the last step the scheduler had no seat or budget left
         self.crc: dict[str, tuple[int, int]] = {}     # request -> (blocks digested, running digest)
@@ -66,6 +68,11 @@ class PoolWatch:
         groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         reason = f"{len(groups)} KV cache group(s): {', '.join(kinds)}" if groups else ""
+        self.counts_ok = all(type(g.kv_cache_spec).__name__ == "FullAttentionSpec" for g in groups)
+        if not self.counts_ok:
+            reason += ("; ref_cnt is checked against the KV cache manager's own lists, not the ledger, for "
+                       "these groups (vLLM frees blocks that leave a window mid-request without telling "
+                       "the workers), and prefix provenance is off (issue 27)")
         self.rep.status(st.CheckStatus(st.CHECK_POOL, True, "Scheduler.schedule + Scheduler.update_from_output",
                                        path, reason))
 
@@ -77,7 +84,7 @@ class PoolWatch:
         self.touched |= d.touched()
         for rid in d.released:
             self.crc.pop(rid, None)
-        self._provenance(scheduler, so)
+        self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
         self.t_sched[id(so)] = t0
@@ -105,13 +112,13 @@ class PoolWatch:
             self._sweep_when_idle(scheduler)
 
     # ---- prefix provenance (probes/provenance.py) --------------------------------------------
-    def _provenance(self, scheduler, so) -> None:
+    def _provenance(self, scheduler, so, added=()) -> None:
         """Hits checked against what the blocks were filled with; blocks this step fills recorded.
         At schedule time: vLLM has already counted this step's tokens as computed, and the step's
         forward writes their K/V. Only with one KV cache group (a hybrid model's groups: issue 27)."""
         groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
-        if len(groups) != 1:
-            return
+        if len(groups) != 1 or not self.counts_ok or getattr(scheduler, "connector", None) is not None:
+            return                    # a connector's loaded tokens count as computed but were not hits
         bs = int(scheduler.block_size)
         if self.prov is None:
             self.prov = ProvenanceLedger(bs)
@@ -121,10 +128,18 @@ class PoolWatch:
             resumed = set(getattr(c, "resumed_req_ids", None) or ())
             hits += [(r, int(n)) for r, n in zip(c.req_ids, c.num_computed_tokens) if r in resumed]
         found = []
+        hit_blocks = set()
+        for rid, computed in hits:
+            entry = self.ledger.reqs.get(rid)
+            if entry is not None:
+                hit_blocks.update(entry.groups[0][:computed // bs])
+        for b in added:                               # handed out afresh: what it held before is gone
+            if b not in hit_blocks:
+                self.prov.rec.pop(b, None)
         for rid, computed in hits:
             req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None:
-                continue
+            if req is None or entry is None or getattr(req, "mm_features", None):
+                continue              # multimodal hashes key only the blocks they overlap: not modelled
             k = computed // bs
             tokens = req.all_token_ids
             digests = chain(tokens, bs, k, seed(_extra_keys(req)))
@@ -135,7 +150,7 @@ class PoolWatch:
             self.crc[rid] = (len(digests), digests[-1] if digests else seed(_extra_keys(req)))
         for rid, n in (getattr(so, "num_scheduled_tokens", None) or {}).items():
             req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None:
+            if req is None or entry is None or getattr(req, "mm_features", None):
                 continue
             tokens = req.all_token_ids
             full = min(int(req.num_computed_tokens), len(tokens)) // bs
@@ -160,25 +175,36 @@ class PoolWatch:
         step = self.ledger.steps
         for rid in getattr(so, "num_scheduled_tokens", None) or {}:
             self.progress[rid] = step
+            self.progress_t.pop(rid, None)
         # a step with every seat or the whole token budget taken is a fair reason to wait: the clock
         # of every waiting request starts again after it
-        seats = getattr(scheduler, "max_num_running_reqs", None)
+        seats = getattr(scheduler, "max_num_active_reqs", None) or getattr(scheduler, "max_num_running_reqs", None)
         budget = getattr(scheduler, "max_num_scheduled_tokens", None)
         if (seats is not None and len(scheduler.running) >= seats) or \
                 (budget is not None and getattr(so, "total_num_scheduled_tokens", 0) >= budget):
             self.saturated_at = step
         if step % 8:
             return                                    # every 8th output: O(requests) is cheap then
+        if getattr(getattr(scheduler, "pause_state", None), "name", "UNPAUSED") != "UNPAUSED":
+            self.saturated_at = step                  # paused on purpose: nobody is owed admission
+            return
         running = {r.request_id for r in scheduler.running}
         bs = int(scheduler.block_size)
         waiting = {}
+        now = time.monotonic()
         for rid, r in list(scheduler.requests.items()):
             if rid in running or r.is_finished():
+                continue
+            if getattr(getattr(r, "status", None), "name", "WAITING") != "WAITING" \
+                    and "PREEMPTED" not in r.status.name:
+                continue                              # waiting for remote KV, a grammar, streamed input
+            if now - self.progress_t.setdefault(rid, now) < self.s.stall_after_s:
                 continue
             since = max(self.progress.setdefault(rid, step), self.saturated_at)
             waiting[rid] = (since, -(-(r.num_tokens - r.num_computed_tokens) // bs))
         for rid in [r for r in self.progress if r not in scheduler.requests]:
             del self.progress[rid]
+            self.progress_t.pop(rid, None)
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         found = []
         for rid, waited, need in stalled(step, waiting, free, self.s.stall_after):
@@ -238,7 +264,8 @@ class PoolWatch:
         if self.ledger is None:
             self.ledger = BlockLedger(n)
         if deferred is None:                          # the idle sweep leaves the step's state alone
-            d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ()))
+            d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
+                                   + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
             self.touched |= d.touched()
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         pins = self._pins(scheduler, kvm)
@@ -255,6 +282,8 @@ class PoolWatch:
             inq = np.fromiter((_in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
             expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
                                                             dtype=np.int64, count=len(idx))
+            if not self.counts_ok:
+                expected = ref                        # queue consistency only; the sweep compares holders
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
                                                      pins)
         if deferred is not None:
@@ -279,20 +308,25 @@ class PoolWatch:
                                                     None if f["kind"] == "leak" else f["page"]))
 
     def _pins(self, scheduler, kvm) -> dict[int, list[str]]:
-        """Blocks with references that no running request holds, for a reason vLLM allows:
-        frees deferred behind an in-flight step, a connector's delayed free of a finished request."""
+        """Blocks with references that no running request holds, for a reason vLLM allows: frees
+        deferred behind an in-flight step; with a KV connector, blocks of requests the workers have
+        not seen (a delayed free after finishing, an asynchronous load: WAITING_FOR_REMOTE_KVS)."""
         pins: dict[int, list[str]] = {}
         for fence, bl in list(getattr(scheduler, "deferred_frees", ()) or ()):
             for b in bl:
                 pins.setdefault(b.block_id, []).append(f"deferred free (fence step {fence})")
         conn = getattr(scheduler, "connector", None)
+        if conn is None:
+            return pins                   # without a connector every holder crosses to the workers
         for rid, r in list(scheduler.requests.items()):
+            if rid in self.ledger.reqs:
+                continue
             fin = getattr(r, "is_finished", None)
-            if fin is not None and fin() and rid not in self.ledger.reqs:
-                who = type(conn).__name__ if conn is not None else "no connector"
-                for ids in kvm.get_block_ids(rid):
-                    for b in ids:
-                        pins.setdefault(b, []).append(f"{rid}: finished, free delayed ({who})")
+            why = ("finished, free delayed" if fin is not None and fin()
+                   else getattr(getattr(r, "status", None), "name", "not scheduled yet"))
+            for ids in kvm.get_block_ids(rid):
+                for b in ids:
+                    pins.setdefault(b, []).append(f"{rid}: {why} ({type(conn).__name__})")
         return pins
 
     def _sweep(self, scheduler, pool, blocks, n, null, pins, idle):
@@ -309,7 +343,7 @@ class PoolWatch:
                 break
             walk.append(b.block_id)
             b = b.next_free_block
-        holders = self.ledger.holders()
+        holders = self.ledger.holders() if self.counts_ok else _manager_holders(scheduler)
         for blk, why in pins.items():
             for w in why:
                 holders.setdefault(f"<pinned: {w}>", []).append(blk)
@@ -344,6 +378,15 @@ class PoolWatch:
             hs = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
             extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in hs]
         return found, (ref.astype(np.int32), owner, cached), extra
+
+
+def _manager_holders(scheduler) -> dict[str, list[int]]:
+    """The KV cache manager's own per-request lists, all groups (null block entries left out)."""
+    out: dict[str, list[int]] = {}
+    for mgr in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        for rid, bl in mgr.req_to_blocks.items():
+            out.setdefault(rid, []).extend(b.block_id for b in bl if not getattr(b, "is_null", False))
+    return out
 
 
 def _extra_keys(req) -> tuple:

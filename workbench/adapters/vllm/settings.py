@@ -12,6 +12,7 @@ the variable, the value and what was used instead) and the default is kept.
                              with work, is a `check-inactive` warning                 default 64
   PAGEDKV_VLLM_STALL_AFTER   a request not running and unscheduled for N steps while the pool
                              has room for it is `stalled`                             default 256
+  PAGEDKV_VLLM_STALL_AFTER_S and for at least this many seconds (an idle engine steps fast)  default 10
   PAGEDKV_VLLM_FAULT_FILE    a JSON file naming faults to plant (tests, notebooks; faults.py)
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ ENV_FULL_EVERY = "PAGEDKV_VLLM_FULL_EVERY"
 ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
 ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
 ENV_STALL_AFTER = "PAGEDKV_VLLM_STALL_AFTER"
+ENV_STALL_AFTER_S = "PAGEDKV_VLLM_STALL_AFTER_S"
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Settings:
     full_every: int = 256
     inactive_after: int = 64
     stall_after: int = 256
+    stall_after_s: int = 10
     fault_file: str | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -87,5 +90,6 @@ def read(env=None) -> Settings:
     s.full_every = _whole(env, ENV_FULL_EVERY, 256, s.problems)
     s.inactive_after = _whole(env, ENV_INACTIVE_AFTER, 64, s.problems)
     s.stall_after = _whole(env, ENV_STALL_AFTER, 256, s.problems)
+    s.stall_after_s = _whole(env, ENV_STALL_AFTER_S, 10, s.problems, low=0)
     s.fault_file = env.get(ENV_FAULT_FILE) or None
     return s

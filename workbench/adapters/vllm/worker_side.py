@@ -61,7 +61,7 @@ class MetadataWatch:
                                        path, "; ".join(left) if ok else "no KV cache group it can check"))
 
     def on_execute(self, runner, so, dummy: bool) -> None:
-        self.runner, self.req_ids = runner, None
+        self.runner, self.req_ids = (None if dummy else runner), None   # a dummy run's builds are not a batch
         if so is None or dummy or so is self.last_so:
             return
         self.last_so = so
@@ -144,10 +144,12 @@ class MetadataWatch:
             return
         kernel_bs = int(builder.kv_cache_spec.block_size)
         bs = int(groups[g].kv_cache_spec.block_size)
-        ratio = bs // kernel_bs if kernel_bs and bs % kernel_bs == 0 else 1
+        if kernel_bs != bs:
+            return        # kernel blocks smaller than the manager's: their stride (packed caches) is not read yet
+        if getattr(self.last_so, "scheduled_spec_decode_tokens", None) and \
+                getattr(self.runner, "use_async_scheduling", False):
+            return        # async + spec decode: the runner corrects positions on the device from accepted drafts
         pages = [e.groups[g] if g < len(e.groups) else [] for e in entries]
-        if ratio > 1:                                    # the kernel addresses blocks of kernel_bs
-            pages = [[b * ratio + j for b in p for j in range(ratio)] for p in pages]
         starts = [e.computed for e in entries]
         q = [e.scheduled for e in entries]
         t = int(qsl[n])                                  # real tokens; padding after them is not read
@@ -155,7 +157,7 @@ class MetadataWatch:
         num_blocks = getattr(kv_cfg, "num_blocks", None)
         found = sanitizer.metadata_findings(
             self.executions, req_ids, starts, q, pages, kernel_bs,
-            None if num_blocks is None else num_blocks * ratio,
+            num_blocks,
             query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n),
             block_table=_np(cm.block_table_tensor, n), slot_mapping=_np(cm.slot_mapping, t),
             positions=None if getattr(cm, "positions", None) is None else _np(cm.positions, t))
