@@ -42,7 +42,6 @@ class PoolWatch:
         self.step = 0                    # update_from_output calls seen
         self.checks = 0
         self.since_check = 0             # schedule outputs with tokens since the last pool check
-        self.inactive_said = False
         self.names: dict[str, int] = {}
         self.next_name = 0
         self.check_s = 0.0
@@ -92,11 +91,9 @@ class PoolWatch:
             self.t_sched.pop(next(iter(self.t_sched)))
         if getattr(so, "total_num_scheduled_tokens", 0):
             self.since_check += 1
-        if self.since_check >= self.s.inactive_after and not self.inactive_said:
-            self.inactive_said = True
-            self.rep.findings([sanitizer.inactive_finding(
-                sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
-                "Scheduler.update_from_output never returned through the plugin's hook")], key=lambda f: "inactive")
+        if self.since_check >= self.s.inactive_after:
+            self.rep.inactive(sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
+                              "Scheduler.update_from_output never returned through the plugin's hook")
 
     def on_update(self, scheduler, so) -> None:
         t0 = self.t_sched.pop(id(so), None)

@@ -76,6 +76,18 @@ def _guard(where: str, fn, *args) -> None:
         REP.error(where, e)
 
 
+def _after(where: str, callback):
+    """A hook that runs vLLM's call, then callback(self, its result) (outermost calls only)."""
+    def make(orig):
+        def hook(self, *a, outer, **kw):
+            out = orig(self, *a, **kw)
+            if outer:
+                _guard(where, callback, self, out)
+            return out
+        return hook
+    return make
+
+
 def _engine_core() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -96,17 +108,10 @@ def _engine_core() -> None:
             return out
         return hook
 
-    def scheduler_init(orig):
-        # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
-        def hook(self, *a, outer, **kw):
-            orig(self, *a, **kw)
-            if outer:
-                _guard("status", POOL.on_scheduler_ready, self)
-        return hook
-
     _need(wrap_family(Scheduler, "schedule", schedule), "Scheduler.schedule")
     _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
-    wrap_family(Scheduler, "__init__", scheduler_init)
+    # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
+    wrap_family(Scheduler, "__init__", _after("status", lambda sched, _: POOL.on_scheduler_ready(sched)))
 
 
 def _runner_bases() -> list[type]:
@@ -133,22 +138,6 @@ def _worker() -> None:
             return orig(self, scheduler_output, *a, **kw)
         return hook
 
-    def prepare_inputs(orig):
-        def hook(self, *a, outer, **kw):
-            batch = orig(self, *a, **kw)
-            if outer:
-                _guard("metadata row order", META.on_inputs, batch)
-            return batch
-        return hook
-
-    def initialize_kv_cache(orig):
-        def hook(self, *a, outer, **kw):
-            out = orig(self, *a, **kw)
-            if outer:
-                _guard("status", META.on_runner_ready, self)
-            return out
-        return hook
-
     def build(orig):
         def hook(self, *a, outer, **kw):
             if not outer:
@@ -170,9 +159,9 @@ def _worker() -> None:
 
     for base in _runner_bases():
         _need(wrap_family(base, "execute_model", execute_model), f"{base.__module__}.{base.__name__}.execute_model")
-        wrap_family(base, "initialize_kv_cache", initialize_kv_cache)
+        wrap_family(base, "initialize_kv_cache", _after("status", lambda runner, _: META.on_runner_ready(runner)))
         if "prepare_inputs" in base.__dict__:
-            wrap_family(base, "prepare_inputs", prepare_inputs)
+            wrap_family(base, "prepare_inputs", _after("metadata row order", lambda _, batch: META.on_inputs(batch)))
     _need(wrap_family(AttentionMetadataBuilder, "build", build), "AttentionMetadataBuilder.build")
     wrap_family(AttentionMetadataBuilder, "update_block_table", update_block_table)
 

@@ -90,6 +90,11 @@ class Reporter:
                 st.log.warning("PagedKV Workbench %s %s [%s]: %s", f.get("probe"), f.get("severity"),
                                f.get("kind"), f.get("message"))
 
+    def inactive(self, probe: str, check: str, steps: int, why: str) -> None:
+        """A check that should have run and has not: one `check-inactive` warning per check."""
+        from .sanitizer import inactive_finding
+        self.findings([inactive_finding(probe, check, steps, why)], key=lambda f: ("check-inactive", check))
+
     def error(self, where: str, e: BaseException) -> None:
         """An exception inside one of our checks: logged (rate-limited), sent, never raised into vLLM."""
         try:

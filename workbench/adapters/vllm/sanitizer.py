@@ -169,17 +169,7 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
     for rid, pages in holders.items():
         for p in pages:
             owners[p].append(rid)
-    leaked = np.nonzero((ref > 0) & (mapped == 0))[0]
-    if len(leaked):
-        last = {} if last_holder is None else last_holder
-        by = defaultdict(list)
-        for p in leaked.tolist():
-            by[last.get(p)].append(p)
-        for rid, pages in by.items():
-            out.append(finding(PROBE_POOL, "leak", "error",
-                               f"step {step}: {len(pages)} blocks keep references but no request maps them"
-                               + (f"; last held by request {rid}" if rid is not None else ""),
-                               step, rid, pages[0], pages=pages[:16]))
+    out += _leak_findings(step, np.nonzero((ref > 0) & (mapped == 0))[0], last_holder)
     wrong = np.nonzero((ref != mapped) & (mapped > 0))[0]
     for p in wrong[:invariants.MAX_REPORTED].tolist():
         rids = owners.get(p, [])
@@ -202,6 +192,18 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
     return out
 
 
+def _leak_findings(step: int, leaked, last_holder: dict | None) -> list[dict]:
+    """Blocks with references that no request maps: one finding per request that last held them."""
+    last = last_holder or {}
+    by = defaultdict(list)
+    for p in np.asarray(leaked).tolist():
+        by[last.get(p)].append(p)
+    return [finding(PROBE_POOL, "leak", "error",
+                    f"step {step}: {len(pages)} blocks keep references but no request maps them"
+                    + (f"; last held by request {rid}" if rid is not None else ""),
+                    step, rid, pages[0], pages=pages[:16]) for rid, pages in by.items()]
+
+
 def touched_block_findings(step: int, blocks, ref, in_queue, expected, last_holder: dict | None = None,
                            pins: dict | None = None) -> list[dict]:
     """The incremental pool check: only the blocks this step touched (allocated, freed, evicted).
@@ -215,16 +217,7 @@ def touched_block_findings(step: int, blocks, ref, in_queue, expected, last_hold
     expected = np.asarray(expected, dtype=np.int64)
     last = last_holder or {}
     out = []
-    leaked = blocks[(ref > 0) & (expected == 0)]
-    if len(leaked):
-        by = defaultdict(list)
-        for p in leaked.tolist():
-            by[last.get(p)].append(p)
-        for rid, pages in by.items():
-            out.append(finding(PROBE_POOL, "leak", "error",
-                               f"step {step}: {len(pages)} blocks keep references but no request maps them"
-                               + (f"; last held by request {rid}" if rid is not None else ""),
-                               step, rid, pages[0], pages=pages[:16]))
+    out += _leak_findings(step, blocks[(ref > 0) & (expected == 0)], last)
     wrong = (ref != expected) & (expected > 0)
     for i in np.nonzero(wrong)[0][:invariants.MAX_REPORTED].tolist():
         p = int(blocks[i])

@@ -43,7 +43,6 @@ class MetadataWatch:
         self.done_groups: set[int] = set()
         self.last_cm = None              # this execution's last metadata (update_block_table reuses it)
         self.since_check = 0
-        self.inactive_said = False
         self.checks = 0
         self.check_s = 0.0
         self._cost_sent = time.monotonic()
@@ -71,12 +70,10 @@ class MetadataWatch:
         self.last_cm = None
         if getattr(so, "total_num_scheduled_tokens", 0):
             self.since_check += 1
-            if self.since_check >= self.s.inactive_after and not self.inactive_said:
-                self.inactive_said = True
-                self.rep.findings([sanitizer.inactive_finding(
-                    sanitizer.PROBE_METADATA, st.CHECK_METADATA, self.since_check,
-                    f"no attention metadata reached AttentionMetadataBuilder.build with rows the plugin can "
-                    f"match, on {type(runner).__name__}")], key=lambda f: "inactive")
+            if self.since_check >= self.s.inactive_after:
+                self.rep.inactive(sanitizer.PROBE_METADATA, st.CHECK_METADATA, self.since_check,
+                                  f"no attention metadata reached AttentionMetadataBuilder.build with rows the "
+                                  f"plugin can match, on {type(runner).__name__}")
 
     def on_inputs(self, input_batch) -> None:
         ids = getattr(input_batch, "req_ids", None)
