@@ -20,6 +20,7 @@ PROBES = {
     "prefix_cache": "probes.prefix_cache:PrefixCacheProbe",
     "shadow": "probes.shadow:ShadowProbe",
     "rank_consistency": "probes.rank_consistency:RankConsistencyProbe",
+    "forward_progress": "probes.forward_progress:ForwardProgressProbe",
 }
 
 

@@ -7,7 +7,8 @@ per-page arrays and a walk of its free queue, never from its counters alone:
 - the free queue is one chain whose links agree both ways and which holds exactly the
   pages flagged free (vLLM's free-queue check);
 - the prefix index and the pages' hashes agree;
-- every used page is mapped by a live sequence's page list; at idle nothing is used.
+- every used page is mapped by a live sequence's page list; at idle nothing is used;
+- a request that is not running (new, or preempted and re-queued) holds no pages.
   A used page nobody maps is a leak: the finding names the request that last held it
   (from the pool's allocation and share events) and how that request left — finish,
   abort or preemption — which is the release path to fix.
@@ -83,6 +84,7 @@ class PoolAccountingProbe(Probe):
 
     def _preempted(self, e: RequestPreempted) -> None:
         self._fate[e.request_id] = ("preempted", e.step, e.num_pages_freed)
+        self._held_while_waiting(e.step, False, only=e.request_id)   # at once: the step may never finish
 
     def _on_step(self, e: StepFinished) -> None:
         if e.step % self.every == 0:
@@ -110,6 +112,7 @@ class PoolAccountingProbe(Probe):
                         page=v.pages[0] if v.pages else None,
                         evidence={"rule": v.rule, "pages": list(v.pages), "idle": idle,
                                   "num_free": pool.num_free, "num_cached_free": pool.num_cached_free})
+        held = self._held_while_waiting(step, idle)
         live = [s for s in eng.live_sequences() if s.pages]
         mapped = np.zeros(n, dtype=np.int64)
         if live:
@@ -122,12 +125,26 @@ class PoolAccountingProbe(Probe):
         row = {"step": step, "idle": idle, "pages_total": n, "free": int(is_free.sum()),
                "cached_free": int((is_free & has_hash).sum()), "used": int((ref > 0).sum()),
                "queue_len": len(walk), "unmapped_used": int(len(unmapped)), "leaked": leaked,
-               "violations": len(found), "check_us": (time.perf_counter_ns() - t0) / 1e3}
+               "violations": len(found), "held_while_waiting": held, "check_us": (time.perf_counter_ns() - t0) / 1e3}
         self.checks += 1
         self.rows.append(row)
         if len(self.rows) > self.max_rows:
             del self.rows[: len(self.rows) // 2]
         return row
+
+    def _held_while_waiting(self, step: int, idle: bool, only=None) -> int:
+        """A request that is not running (new, or preempted and re-queued) holds no pages: the
+        preemption path gives them all back (the same rule the vLLM plugin checks against its ledger)."""
+        n = 0
+        for s in list(self.engine.scheduler.waiting):
+            if s.pages and (only is None or s.request_id == only):
+                n += 1
+                self.report("error", f"request {s.request_id} is waiting (preempted {s.num_preemptions} times) but "
+                                     f"still holds {len(s.pages)} pages", hint=PATHS["preempted"][1],
+                            kind="held-while-waiting", dedup=("held-while-waiting", s.request_id, s.num_preemptions),
+                            step=step, request_id=s.request_id, page=s.pages[0],
+                            evidence={"pages": list(s.pages[:16]), "preemptions": s.num_preemptions, "idle": idle})
+        return n
 
     def _report_unmapped(self, pages: np.ndarray, ref: np.ndarray, step: int, idle: bool) -> int:
         by_holder = defaultdict(list)

@@ -12,7 +12,10 @@ import pytest
 
 from workbench.adapters.vllm import settings
 from workbench.adapters.vllm.faults import read_fault_file
-from workbench.adapters.vllm.ledger import BlockLedger
+import numpy as np
+
+from workbench.adapters.vllm import sanitizer
+from workbench.adapters.vllm.ledger import BlockLedger, GroupRule
 from workbench.adapters.vllm.patching import wrap_family
 from workbench.adapters.vllm.server import free_port
 
@@ -69,7 +72,37 @@ def test_ledger_follows_scheduler_outputs_and_counts_holders():
     # finished: the last to let go of a block names it
     d = led.finish(["a"])
     assert d.released == {"a": [1, 2, 4]} and led.last_holder[2] == "a"
-    assert (led.mapped(16) == led.counts).all() and led.counts.sum() == 2
+    assert led.counts.sum() == 2 and led.counts[5] == led.counts[6] == 1 and led.optional.sum() == 0
+
+
+def test_a_sliding_window_groups_blocks_behind_the_window_may_go_and_the_edge_must_stay():
+    # group 0: sliding window of 64 tokens, blocks of 32; group 1: full attention; null block 0
+    led = BlockLedger(32, [GroupRule("sliding", 64), GroupRule()], [32, 32], null_block=0)
+    led.apply(out(new=[("a", ([1, 2, 3], [4, 5, 6]), 0)], sched={"a": 96}))
+    assert led.optional.sum() == 0 and led.counts[1:7].tolist() == [1] * 6
+    # 130 computed: vLLM may have freed tokens 0..66 of group 0 -> blocks 1, 2 (not 3: token 66 is in it)
+    d = led.apply(out(cached=[("a", ([7], [8]), 130, False)], sched={"a": 1}))
+    assert led.optional[[1, 2]].tolist() == [1, 1] and led.counts[[1, 2]].tolist() == [0, 0]
+    assert led.counts[[3, 4, 7, 8]].tolist() == [1, 1, 1, 1] and d.edge == {3}
+    assert led.holders(0) == {"a": [3, 7]} and led.holders(0, optional=True) == {"a": [1, 2]}
+    # a prefix hit in a sliding group starts with the null block: never counted
+    led.apply(out(new=[("b", ([0, 3], [4, 5]), 64)], sched={"b": 8}))
+    assert led.counts[0] == 0 and led.counts[3] == 2
+    led.finish(["a", "b"])
+    assert led.counts.sum() == 0 and led.optional.sum() == 0
+    # the pool's verdict from the two counts: ref 0 on a block still in the window is an error naming
+    # the request; ref 0 behind the window is not; a reference nobody can hold is a leak
+    led.apply(out(new=[("c", ([9, 10, 11], [12, 13, 14]), 0)], sched={"c": 96}))
+    led.apply(out(cached=[("c", None, 130, False)], sched={"c": 1}))
+    blocks = np.array([9, 10, 11, 12, 20])
+    ref = np.array([0, 0, 0, 1, 1])
+    found = sanitizer.touched_block_findings(5, blocks, ref, ref == 0, led.counts[blocks], led.last_holder,
+                                             may=led.optional[blocks], who=led.who)
+    kinds = sorted((f["kind"], f["page"], f["request_id"]) for f in found)
+    assert kinds == [("leak", 20, None), ("refcount", 11, "c")], kinds
+    (f,) = [f for f in found if f["kind"] == "refcount"]
+    assert "freed while in use" in f["message"] and "c's block 2 of KV cache group 0" in f["message"]
+    assert f["evidence"]["held_as"] == [{"request": "c", "kv_cache_group": 0, "index": 2}]
 
 
 # ---- the family wrap ----------------------------------------------------------------------

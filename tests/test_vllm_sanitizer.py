@@ -177,8 +177,8 @@ def test_a_request_gone_from_the_scheduler_that_still_holds_blocks_is_an_orphan(
 def test_ref_1_with_two_holders_is_a_refcount_finding():
     (f,) = pool(ref=[0, 1, 1, 1, 1, 0, 0, 0, 0, 0])
     assert f["kind"] == "refcount" and f["page"] == 3 and f["request_id"] == "a"
-    assert f["evidence"] == {"ref_cnt": 1, "mapped": 2, "requests": ["a", "b"]}
-    assert "block 3 has ref_cnt 1 but 2 requests map it (a, b)" in f["message"]
+    assert f["evidence"] == {"ref_cnt": 1, "mapped": 2, "may_have_freed": 0, "requests": ["a", "b"]}
+    assert "block 3 has ref_cnt 1 but 2 requests still read it: a, b" in f["message"]
 
 
 @pytest.mark.parametrize("num_free", [4, 5], ids=["counter-agrees", "counter-counts-it"])

@@ -130,6 +130,14 @@ MEMBERS = [
     ("v1/worker/gpu/model_runner.py", "GPUModelRunner", "kv_cache_config"),
     ("v1/worker/gpu/input_batch.py", "InputBatch", "req_ids"),
     ("config/vllm.py", "VllmConfig", "max_concurrent_batches"),
+    # the ledger's per-group rules and the fault seams (issue 27)
+    ("v1/core/single_type_kv_cache_manager.py", "SlidingWindowManager", "get_num_skipped_tokens"),
+    ("v1/core/single_type_kv_cache_manager.py", "SingleTypeKVCacheManager", "req_to_blocks block_size"),
+    ("v1/core/block_pool.py", "BlockPool", "touch"),
+    ("v1/kv_cache_interface.py", "SlidingWindowSpec", "sliding_window extra_retained_tokens"),
+    ("v1/kv_cache_interface.py", "ChunkedLocalAttentionSpec", "attention_chunk_size"),
+    ("v1/worker/utils.py", "AttentionGroup", "metadata_builders kernel_block_size kernel_block_stride "
+     "map_to_kernel_block_table"),
 ]
 # read with getattr and a default: a missing one only narrows a check (a warning, not a failure)
 OPTIONAL = [("v1/core/sched/scheduler.py", "Scheduler", "deferred_frees connector")]
@@ -307,3 +315,47 @@ def test_ascend_model_runners(A):
     assert "CommonAttentionMetadata" in _bases(cm), (
         f"vllm_ascend/attention/utils.py: AscendCommonAttentionMetadata bases {_bases(cm)}, "
         f"expected CommonAttentionMetadata (the fields the metadata check reads)")
+
+
+# ---- the rules the ledger recomputes, against vLLM's own code (run in the vLLM environment) ------
+RULES = r"""
+import json, torch
+from types import SimpleNamespace as NS
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager, ChunkedLocalAttentionManager
+from vllm.v1.worker.utils import AttentionGroup
+from workbench.adapters.vllm.ledger import GroupRule
+from workbench.adapters.vllm.worker_side import kernel_pages
+bad = []
+for window, retained in ((64, 0), (100, 0), (64, 3)):
+    m = object.__new__(SlidingWindowManager)
+    m.sliding_window, m.extra_retained_tokens = window, retained
+    rule = GroupRule("sliding", window, retained)
+    bad += [("sliding", window, retained, c) for c in range(0, 400) if m.get_num_skipped_tokens(c) != rule.skipped(c)]
+for chunk in (32, 48):
+    m = object.__new__(ChunkedLocalAttentionManager)
+    m.attention_chunk_size = chunk
+    rule = GroupRule("chunked", chunk)
+    bad += [("chunked", chunk, c) for c in range(0, 400) if m.get_num_skipped_tokens(c) != rule.skipped(c)]
+# the kernel block table: vLLM's own mapping of a manager block table, against ours
+table = torch.tensor([[0, 5, 9], [7, 2, 0]], dtype=torch.int32)
+for ratio, stride in ((4, 0), (2, 0), (4, 7)):
+    g = object.__new__(AttentionGroup)
+    g.kv_cache_spec = NS(block_size=16 * ratio)
+    g.kernel_block_size, g.kernel_block_stride = 16, stride
+    g.kernel_block_table = torch.zeros(1, 2, 3 * ratio, dtype=torch.int32)
+    g.kernel_block_offsets = torch.arange(ratio, dtype=torch.int32)
+    got = g.map_to_kernel_block_table(table).tolist()
+    want = [kernel_pages(row, ratio, stride or ratio) for row in table.tolist()]
+    if got != want:
+        bad.append(("kernel", ratio, stride, got, want))
+print(json.dumps(bad[:5]))
+"""
+
+
+def test_the_ledgers_window_rules_and_kernel_mapping_match_vllms_code(V):
+    # the ledger recomputes which blocks a group may free (GroupRule) and the worker which kernel blocks
+    # the kernel reads (kernel_pages); both must agree with vLLM's own functions on every input tried
+    out = subprocess.run([str(vllm_python()), "-c", RULES], cwd=str(ROOT), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

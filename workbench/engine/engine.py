@@ -299,6 +299,8 @@ class Engine:
         with self.lock:
             sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if sched.preempted:          # a step that only preempted: its preemptions are still told
+                lifecycle.emit_schedule(bus, self.step_count, now_ns(), sched)
             if self.scheduler.waiting and not self.scheduler.running:
                 head = self.scheduler.waiting[0]
                 raise RuntimeError(f"scheduler stalled: request {head.request_id} "

@@ -29,6 +29,7 @@ FAULTS = {
     "slow_page_size": "workbench.faults.slow_page_size:SlowPageSize",
     "rank_desync": "workbench.faults.rank_desync:RankDesync",
     "pool_pressure": "workbench.faults.pool_pressure:PoolPressure",
+    "admission_refuses_long_prompts": "workbench.faults.admission_refused:AdmissionRefused",
 }
 
 

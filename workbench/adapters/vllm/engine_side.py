@@ -25,7 +25,7 @@ from probes.provenance import ProvenanceLedger, chain, seed
 
 from . import sanitizer
 from . import status as st
-from .ledger import BlockLedger
+from .ledger import BlockLedger, GroupRule
 
 
 def _in_queue(b) -> bool:
@@ -48,13 +48,22 @@ class PoolWatch:
         self._sweeper: threading.Thread | None = None
         self._wake: threading.Event | None = None
         self._idle_at = None
-        self.counts_ok = True                         # every group full attention: the ledger's counts hold
-        self.prov: ProvenanceLedger | None = None
+        self.rules: list[GroupRule | None] = []       # per KV cache group; None: not modelled (its own lists pin)
+        self.prov: dict[int, ProvenanceLedger] = {}   # per KV cache group the ledger models
         self.progress: dict[str, int] = {}            # request -> the last step it was scheduled (or arrived)
         self.progress_t: dict[str, float] = {}        # request -> when it was first seen waiting since then
         self.stall_said: set[str] = set()
         self.saturated_at = 0                         # the last step the scheduler had no seat or budget left
-        self.crc: dict[str, tuple[int, int]] = {}     # request -> (blocks digested, running digest)
+        self.crc: dict[tuple[str, int], tuple[int, int]] = {}   # (request, group) -> (blocks digested, digest)
+
+    def _new_ledger(self, scheduler) -> None:
+        pool = scheduler.kv_cache_manager.block_pool
+        if not self.rules:
+            self.rules, _ = group_rules(scheduler)
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self.ledger = BlockLedger(len(pool.blocks), [r or GroupRule() for r in self.rules],
+                                  [int(g.kv_cache_spec.block_size) for g in groups],
+                                  getattr(getattr(pool, "null_block", None), "block_id", None))
 
     # ---- the hooks' callbacks -------------------------------------------------------------
     def on_scheduler_ready(self, scheduler) -> None:
@@ -64,25 +73,19 @@ class PoolWatch:
         name = type(scheduler).__name__
         path = (f"EngineCore.step_with_batch_queue, batch queue size {size}, {name}" if size > 1
                 else f"EngineCore.step, synchronous, {name}")
-        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        reason = f"{len(groups)} KV cache group(s): {', '.join(kinds)}" if groups else ""
-        self.counts_ok = all(type(g.kv_cache_spec).__name__ == "FullAttentionSpec" for g in groups)
-        if not self.counts_ok:
-            reason += ("; ref_cnt is checked against the KV cache manager's own lists, not the ledger, for "
-                       "these groups (vLLM frees blocks that leave a window mid-request without telling "
-                       "the workers), and prefix provenance is off (issue 27)")
+        self.rules, reason = group_rules(scheduler)
         self.rep.status(st.CheckStatus(st.CHECK_POOL, True, "Scheduler.schedule + Scheduler.update_from_output",
                                        path, reason))
 
     def on_schedule(self, scheduler, so, t0: float) -> None:
         t_in = time.perf_counter()
         if self.ledger is None:
-            self.ledger = BlockLedger(len(scheduler.kv_cache_manager.block_pool.blocks))
+            self._new_ledger(scheduler)
         d = self.ledger.apply(so)
         self.touched |= d.touched()
         for rid in d.released:
-            self.crc.pop(rid, None)
+            for g in range(len(self.rules)):
+                self.crc.pop((rid, g), None)
         self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
@@ -112,58 +115,73 @@ class PoolWatch:
     def _provenance(self, scheduler, so, added=()) -> None:
         """Hits checked against what the blocks were filled with; blocks this step fills recorded.
         At schedule time: vLLM has already counted this step's tokens as computed, and the step's
-        forward writes their K/V. Only with one KV cache group (a hybrid model's groups: issue 27)."""
-        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
-        if len(groups) != 1 or not self.counts_ok or getattr(scheduler, "connector", None) is not None:
+        forward writes their K/V. Per KV cache group the ledger models (a sliding window's hit
+        starts with vLLM's null block for the tokens behind the window: those are not read)."""
+        if getattr(scheduler, "connector", None) is not None:
             return                    # a connector's loaded tokens count as computed but were not hits
-        bs = int(scheduler.block_size)
-        if self.prov is None:
-            self.prov = ProvenanceLedger(bs)
         hits = [(nr.req_id, int(nr.num_computed_tokens)) for nr in getattr(so, "scheduled_new_reqs", ()) or ()]
         c = getattr(so, "scheduled_cached_reqs", None)
         if c is not None:
             resumed = set(getattr(c, "resumed_req_ids", None) or ())
             hits += [(r, int(n)) for r, n in zip(c.req_ids, c.num_computed_tokens) if r in resumed]
+        scheduled = getattr(so, "num_scheduled_tokens", None) or {}
+        groups = scheduler.kv_cache_config.kv_cache_groups
         found = []
+        for g, rule in enumerate(self.rules):
+            if rule is not None:
+                found += self._provenance_group(scheduler, g, int(groups[g].kv_cache_spec.block_size), hits,
+                                                scheduled, added)
+        if found:
+            self.rep.findings(found, key=lambda f: ("provenance", f["request_id"], f["page"]))
+
+    def _provenance_group(self, scheduler, g: int, bs: int, hits, scheduled, added) -> list[dict]:
+        prov = self.prov.get(g)
+        if prov is None:
+            prov = self.prov[g] = ProvenanceLedger(bs)
+        null = self.ledger.null
         hit_blocks = set()
         for rid, computed in hits:
             entry = self.ledger.reqs.get(rid)
-            if entry is not None:
-                hit_blocks.update(entry.groups[0][:computed // bs])
+            if entry is not None and g < len(entry.groups):
+                hit_blocks.update(entry.groups[g][:computed // bs])
         for b in added:                               # handed out afresh: what it held before is gone
             if b not in hit_blocks:
-                self.prov.rec.pop(b, None)
+                prov.rec.pop(b, None)
+        found = []
         for rid, computed in hits:
             req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None or getattr(req, "mm_features", None):
+            if req is None or entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
                 continue              # multimodal hashes key only the blocks they overlap: not modelled
             k = computed // bs
             tokens = req.all_token_ids
-            digests = chain(tokens, bs, k, seed(_extra_keys(req)))
+            start = seed(_extra_keys(req))
+            digests = chain(tokens, bs, k, start)
             if k:
-                m = self.prov.check_hit(rid, entry.groups[0][:k], tokens, digests)
+                m = prov.check_hit(rid, entry.groups[g][:k], tokens, digests)
                 if m is not None:
-                    found.append(sanitizer.provenance_finding(self.step + 1, m, bs))
-            self.crc[rid] = (len(digests), digests[-1] if digests else seed(_extra_keys(req)))
-        for rid, n in (getattr(so, "num_scheduled_tokens", None) or {}).items():
+                    f = sanitizer.provenance_finding(self.step + 1, m, bs)
+                    f["evidence"]["kv_cache_group"] = g
+                    found.append(f)
+            self.crc[(rid, g)] = (len(digests), digests[-1] if digests else start)
+        for rid in scheduled:
             req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None or getattr(req, "mm_features", None):
+            if req is None or entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
                 continue
+            blocks = entry.groups[g]
             tokens = req.all_token_ids
             full = min(int(req.num_computed_tokens), len(tokens)) // bs
-            done, crc = self.crc.get(rid) or (0, None)
-            if full <= done or done > len(entry.groups[0]):
+            done, crc = self.crc.get((rid, g)) or (0, None)
+            if full <= done or done > len(blocks):
                 continue
             if crc is None:
                 crc = seed(_extra_keys(req))
             new = chain(tokens[done * bs:full * bs], bs, full - done, crc)
             for i, dg in enumerate(new):
                 j = done + i
-                if j < len(entry.groups[0]):
-                    self.prov.fill(entry.groups[0][j], j, dg, tokens, rid)
-            self.crc[rid] = (done + len(new), new[-1] if new else crc)
-        if found:
-            self.rep.findings(found, key=lambda f: ("provenance", f["request_id"], f["page"]))
+                if j < len(blocks) and blocks[j] != null:
+                    prov.fill(blocks[j], j, dg, tokens, rid)
+            self.crc[(rid, g)] = (done + len(new), new[-1] if new else crc)
+        return found
 
     # ---- forward progress (probes/progress.py) --------------------------------------------
     def _progress(self, scheduler, so) -> None:
@@ -259,7 +277,7 @@ class PoolWatch:
         blocks = pool.blocks
         n = len(blocks)
         if self.ledger is None:
-            self.ledger = BlockLedger(n)
+            self._new_ledger(scheduler)
         if deferred is None:                          # the idle sweep leaves the step's state alone
             d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
                                    + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
@@ -279,10 +297,8 @@ class PoolWatch:
             inq = np.fromiter((_in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
             expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
                                                             dtype=np.int64, count=len(idx))
-            if not self.counts_ok:
-                expected = ref                        # queue consistency only; the sweep compares holders
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
-                                                     pins)
+                                                     pins, self.ledger.optional[idx], self.ledger.who)
         if deferred is not None:
             if self.step != deferred or scheduler.requests:
                 return                                # vLLM stepped while we walked: not one pool state
@@ -296,6 +312,7 @@ class PoolWatch:
             "step": self.step, "t": time.time(), "step_s": step_s, "check_s": self.check_s, "num_blocks": n,
             "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
             "waiting": len(scheduler.requests) - running, "full": full, "idle_sweep": deferred is not None,
+            "hits_checked": sum(p.hits_checked for p in self.prov.values()),
             "process": multiprocessing.current_process().name, **extra}, arrays)
         self.check_s = time.perf_counter() - t_send        # the send counts too: in the next step's figure
         if found:
@@ -312,6 +329,14 @@ class PoolWatch:
         for fence, bl in list(getattr(scheduler, "deferred_frees", ()) or ()):
             for b in bl:
                 pins.setdefault(b.block_id, []).append(f"deferred free (fence step {fence})")
+        mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
+        for g, rule in enumerate(self.rules):
+            if rule is None and g < len(mgrs):          # a Mamba / state group: vLLM's own lists, named
+                why = f"group {g} ({type(mgrs[g]).__name__}): not modelled by the ledger"
+                for rid, bl in list(mgrs[g].req_to_blocks.items()):
+                    for b in bl:
+                        if not getattr(b, "is_null", False):
+                            pins.setdefault(b.block_id, []).append(f"{rid}: {why}")
         conn = getattr(scheduler, "connector", None)
         if conn is None:
             return pins                   # without a connector every holder crosses to the workers
@@ -321,7 +346,9 @@ class PoolWatch:
             fin = getattr(r, "is_finished", None)
             why = ("finished, free delayed" if fin is not None and fin()
                    else getattr(getattr(r, "status", None), "name", "not scheduled yet"))
-            for ids in kvm.get_block_ids(rid):
+            for g, ids in enumerate(kvm.get_block_ids(rid)):
+                if g < len(self.rules) and self.rules[g] is None:
+                    continue                              # pinned above already
                 for b in ids:
                     pins.setdefault(b, []).append(f"{rid}: {why} ({type(conn).__name__})")
         return pins
@@ -340,18 +367,17 @@ class PoolWatch:
                 break
             walk.append(b.block_id)
             b = b.next_free_block
-        holders = self.ledger.holders() if self.counts_ok else _manager_holders(scheduler)
+        holders = self.ledger.holders()
         for blk, why in pins.items():
             for w in why:
                 holders.setdefault(f"<pinned: {w}>", []).append(blk)
         live = {rid: "held" for rid in holders}
         computed = None
-        groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
-        if len(groups) <= 1:
+        if len(self.rules) <= 1:
             computed = {r: e.computed + e.scheduled for r, e in self.ledger.reqs.items()}
         found = sanitizer.pool_findings(self.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
                                         _index_errors(pool, has_hash), self.ledger.last_holder,
-                                        scheduler.block_size, computed)
+                                        scheduler.block_size, computed, self.ledger.holders(optional=True))
         owner = np.full(n, -1, dtype=np.int32)
         new, names = {}, {}
         for rid, pages in holders.items():
@@ -377,13 +403,28 @@ class PoolWatch:
         return found, (ref.astype(np.int32), owner, cached), extra
 
 
-def _manager_holders(scheduler) -> dict[str, list[int]]:
-    """The KV cache manager's own per-request lists, all groups (null block entries left out)."""
-    out: dict[str, list[int]] = {}
-    for mgr in scheduler.kv_cache_manager.coordinator.single_type_managers:
-        for rid, bl in mgr.req_to_blocks.items():
-            out.setdefault(rid, []).extend(b.block_id for b in bl if not getattr(b, "is_null", False))
-    return out
+def group_rules(scheduler) -> tuple[list[GroupRule | None], str]:
+    """Each KV cache group's rule, from its spec (window, chunk) and its manager's kind; None for a
+    group the ledger does not model (Mamba and other state groups, R-SWA, ring buffers): its
+    blocks count as pins from vLLM's own lists, and the status line says so."""
+    groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+    mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
+    rules, said = [], []
+    for g, grp in enumerate(groups):
+        spec, mgr = grp.kv_cache_spec, type(mgrs[g]).__name__ if g < len(mgrs) else "?"
+        if mgr in ("FullAttentionManager", "SinkFullAttentionManager"):
+            rule, how = GroupRule(), "every block until the request ends"
+        elif mgr == "SlidingWindowManager":
+            rule = GroupRule("sliding", int(spec.sliding_window), int(getattr(spec, "extra_retained_tokens", 0) or 0))
+            how = f"window {rule.window} tokens: blocks behind it may be freed mid-request"
+        elif mgr == "ChunkedLocalAttentionManager":
+            rule = GroupRule("chunked", int(spec.attention_chunk_size))
+            how = f"chunks of {rule.window} tokens: blocks before the current chunk may be freed"
+        else:
+            rule, how = None, f"{mgr}: not modelled, its own lists count as pins, no provenance"
+        rules.append(rule)
+        said.append(f"group {g} {type(spec).__name__} (block {spec.block_size}; {how})")
+    return rules, f"{len(groups)} KV cache group(s): " + "; ".join(said) if groups else ""
 
 
 def _extra_keys(req) -> tuple:

@@ -16,6 +16,19 @@ Each reproduces a production bug in the engine users run, where our checks must 
   admission_refuses_long_prompts  allocate_slots refuses every waiting request with a prompt over
                                120 tokens although the pool has room (admission arithmetic gone
                                wrong): it waits forever, and so does the queue behind it
+  window_frees_one_block_early  a sliding-window group's trailing edge is computed one block too
+                               far on (get_num_skipped_tokens), so the block that still holds the
+                               window's oldest tokens is freed and handed to another request
+                               while the kernel reads it (hybrid models: the off-by-one of the
+                               window arithmetic)
+  prefix_hit_skips_ref         BlockPool.touch takes no reference on a hit block that another
+                               request already holds (the `ref_cnt == 0` branch's increment
+                               placed inside it): the first holder's free returns the block to
+                               the pool while the second still reads it
+  resume_appends_blocks        the worker treats a request resumed after preemption as a running
+                               one: its new block ids are appended to the old, freed ones
+                               instead of replacing them (the runner's resumed_from_preemption
+                               branch lost), so the kernel reads blocks other requests now own
 
 Which are on is read from a JSON file, {"faults": [names]}, named by
 PAGEDKV_VLLM_FAULT_FILE; every vLLM process re-reads it when its mtime changes (checked at
@@ -30,7 +43,8 @@ import time
 from dataclasses import replace
 
 FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks",
-          "prefix_hash_ignores_last_token", "admission_refuses_long_prompts")
+          "prefix_hash_ignores_last_token", "admission_refuses_long_prompts", "window_frees_one_block_early",
+          "prefix_hit_skips_ref", "resume_appends_blocks")
 
 
 class FaultSwitch:
@@ -143,3 +157,30 @@ def refuse_admission(switch: FaultSwitch, request) -> bool:
         return False
     status = getattr(getattr(request, "status", None), "name", "")
     return status.startswith("WAITING") and getattr(request, "num_prompt_tokens", 0) > 120
+
+
+def window_skipped(switch: FaultSwitch, skipped: int, block_size: int) -> int:
+    """The tokens a sliding-window group may free (SlidingWindowManager.get_num_skipped_tokens)."""
+    if switch.on("window_frees_one_block_early") and skipped > 0:
+        return skipped + block_size
+    return skipped
+
+
+def hit_refs_kept(switch: FaultSwitch, blocks) -> list:
+    """BlockPool.touch: the blocks whose reference the fault takes back after the touch (those
+    another request already held)."""
+    if not switch.on("prefix_hit_skips_ref"):
+        return []
+    return [b for b in blocks if b.ref_cnt > 0 and not getattr(b, "is_null", False)]
+
+
+def worker_output(switch: FaultSwitch, so):
+    """The SchedulerOutput the model runner applies (the engine core keeps its own)."""
+    c = getattr(so, "scheduled_cached_reqs", None)
+    if not switch.on("resume_appends_blocks") or c is None or not getattr(c, "resumed_req_ids", None):
+        return so
+    from copy import copy
+    so, c = copy(so), copy(c)
+    c.resumed_req_ids = set()
+    so.scheduled_cached_reqs = c
+    return so

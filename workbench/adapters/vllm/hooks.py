@@ -15,7 +15,9 @@ On what every step path and every model runner shares (issue 26):
                 prepare_inputs for its row order; initialize_kv_cache for the status line.
   fault seams   Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
                 hash_block_tokens (its prefix-hash fault), KVCacheManager.allocate_slots
-                (its admission fault).
+                (its admission fault), SlidingWindowManager.get_num_skipped_tokens (the
+                window fault), BlockPool.touch (the hit-reference fault), the SchedulerOutput
+                execute_model hands the runner (the resume fault).
 
 A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
 the rest install. Every callback runs inside try/except: an exception of ours is one log
@@ -135,6 +137,10 @@ def _worker() -> None:
         def hook(self, scheduler_output=None, *a, outer, **kw):
             if outer:
                 _guard("metadata ledger", META.on_execute, self, scheduler_output, bool(kw.get("dummy_run")))
+                try:
+                    scheduler_output = faults.worker_output(META.switch, scheduler_output)
+                except Exception as e:
+                    REP.error("fault seam (worker output)", e)
             return orig(self, scheduler_output, *a, **kw)
         return hook
 
@@ -189,6 +195,34 @@ def _seams() -> None:
     # None from allocate_slots: vLLM's "no room", so the request keeps waiting
     wrap_family(KVCacheManager, "allocate_slots", _none_when("admission", faults.refuse_admission))
 
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    def skipped(orig):
+        def hook(self, num_computed_tokens, *a, outer, **kw):
+            n = orig(self, num_computed_tokens, *a, **kw)
+            try:
+                return faults.window_skipped(META.switch, n, self.block_size) if outer else n
+            except Exception as e:
+                REP.error("fault seam (window)", e)
+                return n
+        return hook
+
+    def touch(orig):
+        def hook(self, blocks, *a, outer, **kw):
+            try:
+                keep = faults.hit_refs_kept(META.switch, blocks) if outer else []
+            except Exception as e:
+                REP.error("fault seam (touch)", e)
+                keep = []
+            out = orig(self, blocks, *a, **kw)
+            for b in keep:
+                b.ref_cnt -= 1
+            return out
+        return hook
+
+    wrap_family(SlidingWindowManager, "get_num_skipped_tokens", skipped)
+    wrap_family(BlockPool, "touch", touch)
     # the block hasher looks hash_block_tokens up in its module at each call
     hash_block_tokens = kv_cache_utils.hash_block_tokens
 

@@ -88,6 +88,7 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
     logprobs: dict[str, list[float]] = {rid: [] for rid, _ in reqs}      # of each sampled token
     finished: dict[str, str] = {}
     step_s: list[float] = []
+    preempted: dict[str, int] = {}
     steps = 0
     abort = dict(abort or {})
     while (core.scheduler.has_requests() or core.batch_queue or pending) and steps < max_steps:
@@ -101,6 +102,8 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
         outs, _ = core.step_fn()
         step_s.append(time.perf_counter() - t0)
         steps += 1
+        for rid, r in core.scheduler.requests.items():      # vLLM counts each request's preemptions
+            preempted[rid] = getattr(r, "num_preemptions", 0)
         for o in (outs or {}).values():
             for x in o.outputs:
                 outputs.setdefault(x.request_id, []).extend(x.new_token_ids)
@@ -109,7 +112,8 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
                         float(v) for v in np.asarray(x.new_logprobs.logprobs)[:, 0])
                 if x.finish_reason is not None:
                     finished[x.request_id] = str(x.finish_reason)
-    return {"steps": steps, "outputs": outputs, "logprobs": logprobs, "finished": finished, "step_s": step_s}
+    return {"steps": steps, "outputs": outputs, "logprobs": logprobs, "finished": finished, "step_s": step_s,
+            "preemptions": sum(preempted.values()), "preempted": {r: n for r, n in preempted.items() if n}}
 
 
 def serve(core, seed0: int = 0) -> None:
@@ -141,12 +145,18 @@ def main(argv=None) -> None:
     ap.add_argument("--stagger", type=int, default=0, metavar="STEPS", help="add one request every STEPS steps")
     ap.add_argument("--differ-at", type=int, default=None, metavar="POS",
                     help="requests after the first differ from it at this position of the shared prefix only")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step's token budget: below a prompt's length, prefills are chunked")
+    ap.add_argument("--shared", type=int, default=70, help="tokens of prefix all prompts share")
     ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
     ap.add_argument("--serve", action="store_true", help="run rounds asked for on stdin (serve())")
     a = ap.parse_args(argv)
     from .model_dir import DEFAULT_DIR
     core = make_core(a.model or str(DEFAULT_DIR), batch_queue=a.batch_queue, num_blocks=a.num_blocks,
-                     max_num_seqs=a.max_num_seqs)
+                     max_num_seqs=a.max_num_seqs, block_size=a.block_size, max_model_len=a.max_model_len,
+                     max_num_batched_tokens=a.max_num_batched_tokens)
     if a.serve:
         sys.stdout.write("READY " + json.dumps({"num_blocks": len(core.scheduler.kv_cache_manager.block_pool.blocks)})
                          + "\n")
@@ -155,9 +165,13 @@ def main(argv=None) -> None:
         time.sleep(a.settle_s)
         core.shutdown()
         return
-    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, differ_at=a.differ_at))]
+    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, shared=a.shared, differ_at=a.differ_at))]
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
     res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    # the pool after the run, read directly: a fault that corrupts it shows here whatever the checks say
+    res.update(num_free_after=pool.get_num_free_blocks(), min_ref_cnt=min(b.ref_cnt for b in pool.blocks if not b.is_null),
+               kv_cache_groups=[type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups])
     res.update(step_fn=core.step_fn.__name__, scheduler=type(core.scheduler).__name__,
                batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
     time.sleep(a.settle_s)

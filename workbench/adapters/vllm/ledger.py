@@ -6,9 +6,18 @@ preempted and finished ids), plus the finished ids the engine core has not yet r
 It never reads the KV cache manager's per-request lists, so a bug that keeps those lists
 self-consistent with the pool still disagrees with this record.
 
+Each KV cache group follows its own rule (`GroupRule`), recomputed here from the group's
+spec, not asked of vLLM: a full-attention group holds every block until the request ends; a
+sliding-window group may free the blocks that fell out of its window (vLLM does so mid-request,
+replacing them with its null block, and never tells the workers); a chunked-local group those
+before the current chunk. So per block the ledger keeps two counts: `counts`, the requests that
+must hold it (its ref_cnt can be no lower), and `optional`, those that may have let it go (no
+higher than both together). A block whose last holder let it go is a leak if it keeps references.
+
 Both sides keep one: the engine core (the pool is checked against it) and each worker (the
 block table the kernel reads is checked against it). Each step's changes are returned as a
-Delta: the blocks the step touched, which is what the incremental pool check looks at.
+Delta: the blocks the step touched plus each scheduled request's window edge (its oldest
+block that must still be held), which is what the incremental pool check looks at.
 Nothing here imports vLLM; it reads the SchedulerOutput by attribute.
 """
 from __future__ import annotations
@@ -18,11 +27,27 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class GroupRule:
+    """How many leading tokens of a request a group may have freed, at `computed` tokens."""
+    kind: str = "full"                      # full | sliding | chunked
+    window: int = 0                         # sliding window or chunk size, tokens
+    retained: int = 0                       # tokens kept past the window's trailing edge (spec decode)
+
+    def skipped(self, computed: int) -> int:
+        if self.kind == "sliding":
+            return max(0, computed - self.window + 1 - self.retained)
+        if self.kind == "chunked":
+            return (computed // self.window) * self.window
+        return 0
+
+
 @dataclass
 class Entry:
     groups: list[list[int]]                 # block ids per KV cache group
     computed: int = 0                       # tokens computed before the step that last scheduled it
     scheduled: int = 0                      # tokens that step scheduled
+    floor: list[int] = field(default_factory=list)   # per group: leading blocks it may have let go
 
 
 @dataclass
@@ -30,49 +55,81 @@ class Delta:
     added: set[int] = field(default_factory=set)      # blocks newly mapped by a request
     removed: set[int] = field(default_factory=set)    # blocks a finished / preempted request let go
     released: dict[str, list[int]] = field(default_factory=dict)   # request -> blocks it let go
+    edge: set[int] = field(default_factory=set)       # scheduled requests' oldest blocks still in a window
 
     def touched(self) -> set[int]:
-        return self.added | self.removed
+        return self.added | self.removed | self.edge
 
 
 class BlockLedger:
-    def __init__(self, num_blocks: int | None = None):
+    def __init__(self, num_blocks: int | None = None, rules: list[GroupRule] | None = None,
+                 block_sizes: list[int] | None = None, null_block: int | None = None):
         self.reqs: dict[str, Entry] = {}
         self.last_holder: dict[int, str] = {}
         self.steps = 0
+        self.rules = list(rules or [])
+        self.block_sizes = list(block_sizes or [])
+        self.null = null_block
         self.counts = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
+        self.optional = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
+
+    def _count(self, arr, blocks, by: int) -> None:
+        if arr is None or not blocks:
+            return
+        idx = np.asarray([b for b in blocks if 0 <= b < len(arr) and b != self.null], dtype=np.int64)
+        np.add.at(arr, idx, by)
 
     def _map(self, rid: str, groups, delta: Delta, replace: bool) -> None:
         e = self.reqs.get(rid)
         if e is None or replace:
             if e is not None:
                 self._release(rid, delta)
-            e = self.reqs[rid] = Entry([[] for _ in groups])
+            e = self.reqs[rid] = Entry([[] for _ in groups], floor=[0] * len(groups))
         while len(e.groups) < len(groups):
             e.groups.append([])
+            e.floor.append(0)
         for g, ids in enumerate(groups):
             if not ids:
                 continue
-            e.groups[g].extend(int(b) for b in ids)
+            ids = [int(b) for b in ids]
+            e.groups[g].extend(ids)
+            self._count(self.counts, ids, 1)
             for b in ids:
-                b = int(b)
-                delta.added.add(b)
-                self.last_holder[b] = rid
-                if self.counts is not None and 0 <= b < len(self.counts):
-                    self.counts[b] += 1
+                if b != self.null:
+                    delta.added.add(b)
+                    self.last_holder[b] = rid
+
+    def _advance(self, e: Entry, delta: Delta) -> None:
+        """Blocks that left a group's window move from must-hold to may-have-freed; the new edge is
+        touched. Recomputed from the tokens vLLM says are computed, with the group's own rule."""
+        for g, rule in enumerate(self.rules[:len(e.groups)]):
+            if rule.kind == "full":
+                continue
+            blocks = e.groups[g]
+            bs = self.block_sizes[g]
+            new = min(rule.skipped(e.computed) // bs, len(blocks))
+            old = e.floor[g]
+            if new > old:                      # vLLM never takes a freed window block back
+                moved = blocks[old:new]
+                self._count(self.counts, moved, -1)
+                self._count(self.optional, moved, 1)
+                e.floor[g] = new
+            if e.floor[g] < len(blocks) and blocks[e.floor[g]] != self.null:
+                delta.edge.add(blocks[e.floor[g]])
 
     def _release(self, rid: str, delta: Delta) -> None:
         e = self.reqs.pop(rid, None)
         if e is None:
             return
-        blocks = [b for ids in e.groups for b in ids]
+        blocks = [b for ids in e.groups for b in ids if b != self.null]
         for b in blocks:                    # the last request to map or let go of a block names it
             self.last_holder[b] = rid
         delta.released[rid] = blocks
         delta.removed.update(blocks)
-        if self.counts is not None:
-            idx = np.asarray([b for b in blocks if 0 <= b < len(self.counts)], dtype=np.int64)
-            np.subtract.at(self.counts, idx, 1)
+        for g, ids in enumerate(e.groups):
+            f = e.floor[g] if g < len(e.floor) else 0
+            self._count(self.optional, ids[:f], -1)
+            self._count(self.counts, ids[f:], -1)
 
     def apply(self, so) -> Delta:
         """One SchedulerOutput, in the order vLLM's workers apply it."""
@@ -87,6 +144,7 @@ class BlockLedger:
             self._map(nr.req_id, nr.block_ids, d, replace=True)
             e = self.reqs[nr.req_id]
             e.computed, e.scheduled = int(nr.num_computed_tokens), int(sched.get(nr.req_id, 0))
+            self._advance(e, d)
         c = getattr(so, "scheduled_cached_reqs", None)
         if c is not None:
             resumed = set(getattr(c, "resumed_req_ids", None) or ())
@@ -100,6 +158,7 @@ class BlockLedger:
                 if e is None:                  # a running request the ledger never saw added
                     e = self.reqs[rid] = Entry([])
                 e.computed, e.scheduled = int(c.num_computed_tokens[i]), int(sched.get(rid, 0))
+                self._advance(e, d)
         return d
 
     def finish(self, rids) -> Delta:
@@ -109,12 +168,22 @@ class BlockLedger:
             self._release(rid, d)
         return d
 
-    def holders(self, group: int | None = None) -> dict[str, list[int]]:
-        if group is None:
-            return {r: [b for ids in e.groups for b in ids] for r, e in self.reqs.items()}
-        return {r: list(e.groups[group]) if group < len(e.groups) else [] for r, e in self.reqs.items()}
+    def holders(self, group: int | None = None, optional: bool = False) -> dict[str, list[int]]:
+        """Request -> the blocks it must hold (optional=True: those it may have let go instead)."""
+        out = {}
+        for r, e in self.reqs.items():
+            sel = range(len(e.groups)) if group is None else [group] if group < len(e.groups) else []
+            blocks = []
+            for g in sel:
+                f = e.floor[g] if g < len(e.floor) else 0
+                part = e.groups[g][:f] if optional else e.groups[g][f:]
+                blocks += [b for b in part if b != self.null]
+            if blocks or not optional:
+                out[r] = blocks
+        return out
 
-    def mapped(self, n: int, null_block: int | None = None) -> np.ndarray:
-        """How many requests map each block (all groups), recounted from the record."""
-        flat = [b for e in self.reqs.values() for ids in e.groups for b in ids if 0 <= b < n and b != null_block]
-        return np.bincount(np.asarray(flat, dtype=np.int64), minlength=n)[:n] if flat else np.zeros(n, np.int64)
+    def who(self, block: int) -> list[tuple[str, int, int]]:
+        """(request, group, index) for each place a block is mapped (a scan: for naming the few
+        blocks a finding is about)."""
+        return [(r, g, i) for r, e in self.reqs.items() for g, ids in enumerate(e.groups)
+                for i, b in enumerate(ids) if b == block]

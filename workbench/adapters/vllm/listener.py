@@ -102,7 +102,8 @@ class SanitizerListener:
                 proc = str(header.get("process", "?"))
                 old = self.costs.get(proc, {}).get("checks", 0)
                 self.costs[proc] = {"checks": int(header.get("checks", 0)), "check_s": float(header.get("check_s", 0.0)),
-                                    "executions": int(header.get("executions", 0))}
+                                    "executions": int(header.get("executions", 0)),
+                                    "groups": {int(k): int(v) for k, v in (header.get("groups") or {}).items()}}
                 if self.costs[proc]["checks"] > old:
                     self._meta_seen_at = len(self.steps)
             elif kind == "status":
@@ -116,7 +117,8 @@ class SanitizerListener:
                     self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
                                           arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
-                                                  "running", "waiting", "hashed", "full", "idle_sweep", "process")}
+                                                  "running", "waiting", "hashed", "full", "idle_sweep", "process",
+                                                  "hits_checked")}
                 self.steps.append(row)
                 self._judge_inactive()
                 if "hashes" in header:            # sent at idle: the pool's prefix-cache blocks

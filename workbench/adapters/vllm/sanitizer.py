@@ -5,12 +5,13 @@ callers); this module only says what in vLLM plays which part, and words the fin
 hooks.py reads vLLM's objects into these arguments; nothing here imports vLLM, so the
 checks are tested on their own as well as inside a real server.
 
-The reference is always vLLM's own bookkeeping kept apart from what is checked:
+The reference is the workbench's own ledger (ledger.py), built from the SchedulerOutputs
+that cross to the workers, never vLLM's lists of what is checked:
   - the attention metadata (query_start_loc, seq_lens, block_table_tensor, slot_mapping,
-    positions) against each scheduled request's block ids (the runner's per-request
-    record of the scheduler's decisions) and the scheduler's token counts for the step;
-  - the block pool (ref_cnt, the free queue's links, the prefix index) against the KV
-    cache manager's per-request block lists and the scheduler's live requests.
+    positions) against each scheduled request's block ids in the ledger and the scheduler's
+    token counts for the step;
+  - the block pool (ref_cnt, the free queue's links, the prefix index) against the ledger's
+    holders per KV cache group (each group by its own window rule) and the pins vLLM allows.
 """
 from __future__ import annotations
 
@@ -134,14 +135,16 @@ def _out_of_range(bt: np.ndarray, ref, num_blocks: int | None):
 def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, prev, num_free: int,
                   null_block: int | None, holders: dict[str, list[int]], live: dict[str, str],
                   index_errors: tuple[list[int], list[int]] = ([], []), last_holder: dict | None = None,
-                  block_size: int | None = None, computed: dict[str, int] | None = None) -> list[dict]:
+                  block_size: int | None = None, computed: dict[str, int] | None = None,
+                  optional: dict[str, list[int]] | None = None) -> list[dict]:
     """The pool recomputed from its blocks against the manager's per-request lists.
 
     ref: ref_cnt per block; free_walk: the free queue from its head; prev: each block's
     prev link (-1 none); holders: request id -> block ids (req_to_blocks); live: the
     scheduler's requests -> status; index_errors: (index entries naming a block with
     another hash, hashed blocks missing from the index); last_holder: block -> the
-    request that last mapped it (for naming leaks)."""
+    request that last mapped it (for naming leaks); optional: request -> blocks it may have
+    let go (a sliding window's, a chunk's), which allow references but do not require them."""
     ref = np.asarray(ref, dtype=np.int64).copy()
     n = len(ref)
     if null_block is not None and 0 <= null_block < n:
@@ -161,22 +164,19 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
                            f"hash, {len(unindexed)} hashed blocks are missing from the index", step,
                            page=(bad_index or unindexed)[0], pages=(bad_index + unindexed)[:16]))
     # ref_cnt against the requests that map each block
-    flat = [p for pages in holders.values() for p in pages if 0 <= p < n and p != null_block]
-    mapped = np.bincount(np.asarray(flat, dtype=np.int64), minlength=n) if flat else np.zeros(n, dtype=np.int64)
+    mapped = _bincount(holders, n, null_block)
+    may = _bincount(optional or {}, n, null_block)
     if null_block is not None and 0 <= null_block < n:
-        mapped[null_block] = ref[null_block]
+        mapped[null_block], may[null_block] = ref[null_block], 0
     owners = defaultdict(list)
     for rid, pages in holders.items():
         for p in pages:
             owners[p].append(rid)
-    out += _leak_findings(step, np.nonzero((ref > 0) & (mapped == 0))[0], last_holder)
-    wrong = np.nonzero((ref != mapped) & (mapped > 0))[0]
+    out += _leak_findings(step, np.nonzero((ref > 0) & (mapped + may == 0))[0], last_holder)
+    wrong = np.nonzero(((ref < mapped) | (ref > mapped + may)) & (mapped + may > 0))[0]
     for p in wrong[:invariants.MAX_REPORTED].tolist():
         rids = owners.get(p, [])
-        out.append(finding(PROBE_POOL, "refcount", "error",
-                           f"step {step}: block {p} has ref_cnt {int(ref[p])} but {int(mapped[p])} requests map it "
-                           f"({', '.join(map(str, rids[:4]))})", step, rids[0] if rids else None, p,
-                           ref_cnt=int(ref[p]), mapped=int(mapped[p]), requests=rids[:16]))
+        out.append(_refcount(step, p, int(ref[p]), int(mapped[p]), int(may[p]), rids))
     for rid, pages in holders.items():
         if rid not in live and pages:
             out.append(finding(PROBE_POOL, "orphan", "error",
@@ -192,6 +192,26 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
     return out
 
 
+def _bincount(holders: dict[str, list[int]], n: int, null_block: int | None) -> np.ndarray:
+    flat = [p for pages in holders.values() for p in pages if 0 <= p < n and p != null_block]
+    return np.bincount(np.asarray(flat, dtype=np.int64), minlength=n) if flat else np.zeros(n, dtype=np.int64)
+
+
+def _refcount(step: int, p: int, ref: int, must: int, may: int, rids: list[str]) -> dict:
+    """ref_cnt outside [requests that must hold the block, + those that may have let it go]."""
+    if ref < must:
+        what = f"block {p} has ref_cnt {ref} but {must} requests still read it"
+        if ref == 0:
+            what += " (freed while in use: its next owner overwrites their K/V)"
+    else:
+        what = f"block {p} has ref_cnt {ref} but {must + may} requests map it"
+    if rids:
+        what += f": {', '.join(map(str, rids[:4]))}"
+    return finding(PROBE_POOL, "refcount", "error", f"step {step}: {what}",
+                   step, rids[0] if rids else None, p, ref_cnt=ref, mapped=must, may_have_freed=may,
+                   requests=rids[:16])
+
+
 def _leak_findings(step: int, leaked, last_holder: dict | None) -> list[dict]:
     """Blocks with references that no request maps: one finding per request that last held them."""
     last = last_holder or {}
@@ -205,26 +225,32 @@ def _leak_findings(step: int, leaked, last_holder: dict | None) -> list[dict]:
 
 
 def touched_block_findings(step: int, blocks, ref, in_queue, expected, last_holder: dict | None = None,
-                           pins: dict | None = None) -> list[dict]:
-    """The incremental pool check: only the blocks this step touched (allocated, freed, evicted).
+                           pins: dict | None = None, may=None, who=None) -> list[dict]:
+    """The incremental pool check: only the blocks this step touched (allocated, freed, evicted,
+    a window's edge).
 
     blocks: the block ids; ref: their ref_cnt; in_queue: on the free queue; expected: how many
-    holders the ledger (and the pins: deferred frees, a connector's delayed free) gives each.
-    The same rules as the full sweep, on a handful of blocks instead of the whole pool."""
+    holders must hold each (the ledger's, and the pins: deferred frees, a connector's delayed
+    free); may: how many more may have let it go (a window's); who(block): the requests
+    mapping it, for naming. The same rules as the full sweep, on a handful of blocks."""
     blocks = np.asarray(blocks, dtype=np.int64)
     ref = np.asarray(ref, dtype=np.int64)
     in_queue = np.asarray(in_queue, dtype=bool)
     expected = np.asarray(expected, dtype=np.int64)
+    may = np.zeros_like(expected) if may is None else np.asarray(may, dtype=np.int64)
     last = last_holder or {}
     out = []
-    out += _leak_findings(step, blocks[(ref > 0) & (expected == 0)], last)
-    wrong = (ref != expected) & (expected > 0)
+    out += _leak_findings(step, blocks[(ref > 0) & (expected + may == 0)], last)
+    wrong = ((ref < expected) | (ref > expected + may)) & (expected + may > 0)
     for i in np.nonzero(wrong)[0][:invariants.MAX_REPORTED].tolist():
         p = int(blocks[i])
-        rid = last.get(p)
-        out.append(finding(PROBE_POOL, "refcount", "error",
-                           f"step {step}: block {p} has ref_cnt {int(ref[i])} but {int(expected[i])} requests map it "
-                           f"(last mapped or let go by {rid})", step, rid, p, ref_cnt=int(ref[i]), mapped=int(expected[i])))
+        held = who(p) if who is not None else []
+        rids = list(dict.fromkeys(r for r, _, _ in held)) or ([last[p]] if last.get(p) is not None else [])
+        f = _refcount(step, p, int(ref[i]), int(expected[i]), int(may[i]), rids)
+        if held:
+            f["message"] += " (" + ", ".join(f"{r}'s block {j} of KV cache group {g}" for r, g, j in held[:4]) + ")"
+            f["evidence"]["held_as"] = [{"request": r, "kv_cache_group": g, "index": j} for r, g, j in held[:16]]
+        out.append(f)
     lost = blocks[(ref == 0) & ~in_queue]
     if len(lost):
         out.append(finding(PROBE_POOL, "lost", "error",

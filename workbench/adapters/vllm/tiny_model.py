@@ -6,7 +6,13 @@ can be measured at production pool sizes on this machine. Its steps are far shor
 real model's, which makes the plugin's share of a step a pessimistic bound. Written once by
 transformers (random weights, SmolLM2's tokenizer files), reused while complete.
 
-    .venv/bin/python -m workbench.adapters.vllm.tiny_model [OUT]      # prints the directory
+The hybrid variant (`hybrid=True`, `--hybrid`) makes layer 0 sliding-window attention (a window
+of HYBRID_WINDOW tokens) and layer 1 full attention, through the config's `layer_types` as
+Gemma 3 / Mistral-style models spell it: vLLM gives it two KV cache groups (SlidingWindowSpec
+and FullAttentionSpec) sharing one block pool, and frees the sliding group's blocks as they
+leave the window, mid-request. Nothing is downloaded.
+
+    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid] [OUT]      # prints the directory
 """
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ from .model_dir import DEFAULT_DIR, write_model_dir
 
 DEFAULT_TINY_DIR = Path(os.environ.get("PAGEDKV_VLLM_TINY_DIR",
                                        Path(__file__).resolve().parents[3] / ".cache" / "vllm-tiny-model"))
+DEFAULT_HYBRID_DIR = DEFAULT_TINY_DIR.with_name("vllm-hybrid-model")
+HYBRID_WINDOW = 64
 _DONE = ".written"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json")
 
 
-def write_tiny_model_dir(out: str | Path = DEFAULT_TINY_DIR) -> Path:
-    out = Path(out)
+def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False) -> Path:
+    out = Path(out or (DEFAULT_HYBRID_DIR if hybrid else DEFAULT_TINY_DIR))
     if (out / _DONE).exists():
         return out
     import torch
@@ -33,7 +41,9 @@ def write_tiny_model_dir(out: str | Path = DEFAULT_TINY_DIR) -> Path:
     src = write_model_dir(DEFAULT_DIR)               # for the tokenizer (and its vocabulary size)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16")
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16",
+                      **({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": HYBRID_WINDOW}
+                         if hybrid else {}))
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -46,4 +56,5 @@ def write_tiny_model_dir(out: str | Path = DEFAULT_TINY_DIR) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_tiny_model_dir(*(sys.argv[1:2])))
+    args = [a for a in sys.argv[1:] if a != "--hybrid"]
+    print(write_tiny_model_dir(*(args[:1]), hybrid="--hybrid" in sys.argv[1:]))

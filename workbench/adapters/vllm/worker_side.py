@@ -31,6 +31,14 @@ def _np(t, n=None):
     return a if n is None else a[:n]
 
 
+def kernel_pages(pages: list[int], ratio: int, stride: int) -> list[int]:
+    """A request's manager blocks as the kernel blocks the kernel reads (vectorised)."""
+    if ratio == 1:
+        return list(pages)
+    a = np.asarray(pages, dtype=np.int64)[:, None] * stride + np.arange(ratio, dtype=np.int64)[None, :]
+    return a.reshape(-1).tolist()
+
+
 class MetadataWatch:
     def __init__(self, rep, settings):
         self.rep, self.s = rep, settings
@@ -44,6 +52,7 @@ class MetadataWatch:
         self.last_cm = None              # this execution's last metadata (update_block_table reuses it)
         self.since_check = 0
         self.checks = 0
+        self.group_checks: dict[int, int] = {}     # KV cache group -> metadata checks run on it
         self.check_s = 0.0
         self._cost_sent = time.monotonic()
 
@@ -116,6 +125,15 @@ class MetadataWatch:
                 return i
         return 0 if len(groups) == 1 else None
 
+    def _kernel_stride(self, builder, ratio: int) -> int:
+        """Kernel block j of manager block b is b * stride + j: the attention group's packed-cache
+        stride where it set one, else the kernel blocks per manager block."""
+        for groups in getattr(self.runner, "attn_groups", None) or ():
+            for ag in groups:
+                if builder in (getattr(ag, "metadata_builders", None) or ()):
+                    return int(getattr(ag, "kernel_block_stride", 0) or ratio)
+        return ratio
+
     def check(self, builder, cm) -> None:
         g = self._group(builder)
         if g is None or g in self.done_groups:
@@ -141,8 +159,8 @@ class MetadataWatch:
             return
         kernel_bs = int(builder.kv_cache_spec.block_size)
         bs = int(groups[g].kv_cache_spec.block_size)
-        if kernel_bs != bs:
-            return        # kernel blocks smaller than the manager's: their stride (packed caches) is not read yet
+        if kernel_bs != bs and (kernel_bs > bs or bs % kernel_bs):
+            return        # not a split vLLM makes: nothing to map the ledger's blocks by
         if getattr(self.last_so, "scheduled_spec_decode_tokens", None) and \
                 getattr(self.runner, "use_async_scheduling", False):
             return        # async + spec decode: the runner corrects positions on the device from accepted drafts
@@ -152,20 +170,32 @@ class MetadataWatch:
         t = int(qsl[n])                                  # real tokens; padding after them is not read
         kv_cfg = getattr(self.runner, "kv_cache_config", None)
         num_blocks = getattr(kv_cfg, "num_blocks", None)
-        found = sanitizer.metadata_findings(
-            self.executions, req_ids, starts, q, pages, kernel_bs,
-            num_blocks,
-            query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n),
-            block_table=_np(cm.block_table_tensor, n), slot_mapping=_np(cm.slot_mapping, t),
-            positions=None if getattr(cm, "positions", None) is None else _np(cm.positions, t))
+        positions = None if getattr(cm, "positions", None) is None else _np(cm.positions, t)
+        common = dict(query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n), positions=positions)
+        if kernel_bs == bs:
+            found = sanitizer.metadata_findings(self.executions, req_ids, starts, q, pages, bs, num_blocks,
+                                                block_table=_np(cm.block_table_tensor, n),
+                                                slot_mapping=_np(cm.slot_mapping, t), **common)
+        else:
+            # the kernel reads kernel blocks: manager block b is b * stride + j, j < bs / kernel_bs
+            # (AttentionGroup.map_to_kernel_block_table); the K/V write keeps the manager's slots
+            stride = self._kernel_stride(builder, bs // kernel_bs)
+            kpages = [kernel_pages(p, bs // kernel_bs, stride) for p in pages]
+            found = sanitizer.metadata_findings(
+                self.executions, req_ids, starts, q, kpages, kernel_bs,
+                None if num_blocks is None else num_blocks * stride, block_table=_np(cm.block_table_tensor, n))
+            found += sanitizer.metadata_findings(self.executions, req_ids, starts, q, pages, bs, num_blocks,
+                                                 slot_mapping=_np(cm.slot_mapping, t), **common)
         self.since_check = 0
         self.checks += 1
+        self.group_checks[g] = self.group_checks.get(g, 0) + 1
         self.check_s += time.perf_counter() - t0
         now = time.monotonic()
         if now - self._cost_sent >= 1.0 or self.checks % 16 == 0:   # also the worker's heartbeat
             self._cost_sent = now
             self.rep.send(b"cost", {"process": multiprocessing.current_process().name, "checks": self.checks,
-                                    "check_s": self.check_s, "executions": self.executions})
+                                    "check_s": self.check_s, "executions": self.executions,
+                                    "groups": {str(k): v for k, v in self.group_checks.items()}})
         if found:
             for f in found:
                 f["evidence"]["kv_cache_group"] = g

@@ -1,0 +1,112 @@
+"""Issue 27: vLLM checked against the workbench's own ledger, on a hybrid model, with realistic bugs.
+
+A tiny random-weight model written by transformers at test time (no download) whose layer 0 is
+sliding-window attention (64 tokens) and layer 1 full attention: vLLM's CPU build gives it two
+KV cache groups in one block pool and frees the sliding group's blocks as they leave the window,
+mid-request, without telling the workers. The plugin checks each group with its own rule
+(ledger.GroupRule), recomputed from the group's spec. vLLM's real EngineCore drives it
+(workbench/adapters/vllm/inproc.py); the bugs are planted through the plugin's fault seams in
+vLLM's real code paths (faults.py), and each test asserts that vLLM's behaviour really changed
+(log-probs, the pool's own ref counts) as well as what the finding names.
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from workbench.adapters.vllm.server import ROOT, vllm_python
+
+from vllm_inproc import fault_file, run_inproc
+
+pytestmark = pytest.mark.skipif(not vllm_python().exists(),
+                                reason=f"no vLLM environment at {vllm_python()} (make vllm installs it)")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("hybrid-model")
+    p = subprocess.run([str(vllm_python()), "-m", "workbench.adapters.vllm.tiny_model", "--hybrid", str(out)],
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return str(out)
+
+
+def moved(clean, r) -> dict[str, float]:
+    """Per request, the largest change of a sampled token's log-prob between two runs."""
+    return {rid: max((abs(a - b) for a, b in zip(lp, r.result["logprobs"].get(rid, []))), default=0.0)
+            for rid, lp in clean.result["logprobs"].items()}
+
+
+def test_a_long_clean_hybrid_workload_is_silent_with_both_groups_checked(hybrid):
+    # prefix hits (a 70-token shared prefix), chunked prefill (a 64-token budget under ~90-150-token
+    # prompts), preemption (48 blocks for 16 requests), aborts, blocks leaving the 64-token window
+    r = run_inproc("--model", hybrid, "--requests", "16", "--max-tokens", "160", "--num-blocks", "48",
+                   "--max-num-batched-tokens", "64", "--stagger", "3", "--abort", "r3:20", "--abort", "r7:60")
+    assert r.rc == 0, r.log[-3000:]
+    assert not r.at_least("warn"), [f.message for f in r.findings]
+    res = r.result
+    assert res["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
+    assert res["preemptions"] > 0 and "r3" not in res["finished"] and len(res["finished"]) == 14
+    assert res["num_free_after"] == res["num_blocks"] - 1 and res["min_ref_cnt"] == 0     # all back but the null block
+    reason = r.statuses["vllm_pool"]["reason"]
+    assert "group 0 SlidingWindowSpec (block 32; window 64 tokens" in reason and "group 1 FullAttentionSpec" in reason
+    (cost,) = r.costs.values()
+    assert cost["groups"].get(0, 0) > 100 and cost["groups"].get(1, 0) > 100, cost      # both groups' metadata
+    assert max(s.get("hits_checked") or 0 for s in r.steps) > 0                         # prefix hits were checked
+
+
+WINDOW = ("--requests", "6", "--max-tokens", "150", "--num-blocks", "80")
+
+
+def test_a_window_edge_freed_one_block_early_is_caught_in_the_sliding_group(hybrid, tmp_path):
+    clean = run_inproc("--model", hybrid, *WINDOW)
+    assert clean.rc == 0 and not clean.at_least("warn"), [f.message for f in clean.findings]
+    r = run_inproc("--model", hybrid, *WINDOW,
+                   env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "window_frees_one_block_early")})
+    assert r.rc == 0
+    d = moved(clean, r)
+    assert max(d.values()) > 1e-2, d                       # another request's K/V was read: log-probs moved
+    freed = [f for f in r.at_least("error") if f.kind == "refcount" and "freed while in use" in f.message]
+    assert freed, [f.message for f in r.findings]
+    for f in freed:
+        # named: the block, the request reading it, and where: the sliding group, never the full one
+        held = f.evidence["held_as"]
+        assert f.evidence["ref_cnt"] == 0 and f.page is not None and f.request_id == held[0]["request"]
+        assert {h["kv_cache_group"] for h in held} == {0}, held
+    assert len({f.request_id for f in freed}) >= 3
+
+
+def test_a_prefix_hit_that_takes_no_reference_is_caught_at_the_hit(hybrid, tmp_path):
+    args = ("--model", hybrid, "--requests", "6", "--max-tokens", "100", "--num-blocks", "72", "--stagger", "4")
+    clean = run_inproc(*args)
+    assert clean.rc == 0 and not clean.at_least("warn") and clean.result["min_ref_cnt"] == 0
+    r = run_inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "prefix_hit_skips_ref")})
+    assert r.rc == 0 and r.result["min_ref_cnt"] < 0          # vLLM's pool really went wrong: refs below 0
+    first = [f for f in r.at_least("error") if f.kind == "refcount"]
+    assert first, [f.message for f in r.findings]
+    step = min(f.step for f in first)
+    at_hit = [f for f in first if f.step == step]
+    # r1 arrives 4 steps after r0 and hits r0's two shared-prefix blocks in each group: 4 blocks named
+    assert len(at_hit) == 4 and step <= 8, [f.message for f in at_hit]
+    for f in at_hit:
+        assert f.evidence["ref_cnt"] == 1 and f.evidence["mapped"] == 2
+        assert {h["request"] for h in f.evidence["held_as"]} == {"r0", "r1"}
+        assert {h["index"] for h in f.evidence["held_as"]} <= {0, 1}
+    assert {h["kv_cache_group"] for f in at_hit for h in f.evidence["held_as"]} == {0, 1}
+
+
+def test_a_resumed_request_whose_blocks_are_appended_is_caught_naming_it(hybrid, tmp_path):
+    args = ("--model", hybrid, "--requests", "12", "--max-tokens", "160", "--num-blocks", "48",
+            "--max-num-batched-tokens", "128")
+    clean = run_inproc(*args)
+    assert clean.rc == 0 and not clean.at_least("warn") and clean.result["preemptions"] > 0
+    r = run_inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "resume_appends_blocks")})
+    assert r.rc == 0
+    assert max(moved(clean, r).values()) > 1e-2                # the kernel read freed blocks: log-probs moved
+    tables = sorted((f for f in r.at_least("error") if f.kind == "block-table"), key=lambda f: f.step)
+    assert tables, [f.message for f in r.findings]
+    f = tables[0]
+    assert f.request_id in r.result["preempted"], (f.message, r.result["preempted"])   # the resumed request
+    assert f.evidence["index"] == 0 and f.evidence["got"] != f.evidence["want"]
+    assert "kv_cache_group" in f.evidence
