@@ -78,10 +78,17 @@ def test_ledger_follows_scheduler_outputs_and_counts_holders():
 def test_a_sliding_window_groups_blocks_behind_the_window_may_go_and_the_edge_must_stay():
     # group 0: sliding window of 64 tokens, blocks of 32; group 1: full attention; null block 0
     led = BlockLedger(32, [GroupRule("sliding", 64), GroupRule()], [32, 32], null_block=0)
-    led.apply(out(new=[("a", ([1, 2, 3], [4, 5, 6]), 0)], sched={"a": 96}))
+    s1 = out(new=[("a", ([1, 2, 3], [4, 5, 6]), 0)], sched={"a": 96})
+    led.apply(s1)
     assert led.optional.sum() == 0 and led.counts[1:7].tolist() == [1] * 6
-    # 130 computed: vLLM may have freed tokens 0..66 of group 0 -> blocks 1, 2 (not 3: token 66 is in it)
-    d = led.apply(out(cached=[("a", ([7], [8]), 130, False)], sched={"a": 1}))
+    # the next step is scheduled (34 more tokens) before the first one's results are back (a batch
+    # queue): vLLM frees on the processed basis, so nothing may have gone yet
+    s2 = out(cached=[("a", ([7], [8]), 96, False)], sched={"a": 34})
+    led.apply(s2)
+    assert led.optional.sum() == 0
+    d = led.done(s1)            # 96 processed: tokens 0..32 behind the window -> block 1 may go
+    assert led.optional[[1, 2]].tolist() == [1, 0] and d.edge == {2}
+    d = led.done(s2)            # 130 processed: tokens 0..66 -> blocks 1, 2 (not 3: token 66 is in it)
     assert led.optional[[1, 2]].tolist() == [1, 1] and led.counts[[1, 2]].tolist() == [0, 0]
     assert led.counts[[3, 4, 7, 8]].tolist() == [1, 1, 1, 1] and d.edge == {3}
     assert led.holders(0) == {"a": [3, 7]} and led.holders(0, optional=True) == {"a": [1, 2]}
@@ -92,8 +99,12 @@ def test_a_sliding_window_groups_blocks_behind_the_window_may_go_and_the_edge_mu
     assert led.counts.sum() == 0 and led.optional.sum() == 0
     # the pool's verdict from the two counts: ref 0 on a block still in the window is an error naming
     # the request; ref 0 behind the window is not; a reference nobody can hold is a leak
-    led.apply(out(new=[("c", ([9, 10, 11], [12, 13, 14]), 0)], sched={"c": 96}))
-    led.apply(out(cached=[("c", None, 130, False)], sched={"c": 1}))
+    s3 = out(new=[("c", ([9, 10, 11], [12, 13, 14]), 0)], sched={"c": 96})
+    led.apply(s3)
+    s4 = out(cached=[("c", None, 96, False)], sched={"c": 34})
+    led.apply(s4)
+    led.done(s3)
+    led.done(s4)
     blocks = np.array([9, 10, 11, 12, 20])
     ref = np.array([0, 0, 0, 1, 1])
     found = sanitizer.touched_block_findings(5, blocks, ref, ref == 0, led.counts[blocks], led.last_holder,
@@ -103,6 +114,16 @@ def test_a_sliding_window_groups_blocks_behind_the_window_may_go_and_the_edge_mu
     (f,) = [f for f in found if f["kind"] == "refcount"]
     assert "freed while in use" in f["message"] and "c's block 2 of KV cache group 0" in f["message"]
     assert f["evidence"]["held_as"] == [{"request": "c", "kv_cache_group": 0, "index": 2}]
+
+
+def test_a_group_the_ledger_does_not_model_is_not_counted():
+    # a Mamba / state group: its blocks are pinned from vLLM's own lists instead (engine_side._pins);
+    # counting them here as well would expect two references where vLLM keeps one
+    led = BlockLedger(16, [GroupRule(), GroupRule("unmodelled")], [16, 16])
+    led.apply(out(new=[("a", ([1, 2], [9]), 0)], sched={"a": 20}))
+    assert led.counts[[1, 2, 9]].tolist() == [1, 1, 0] and led.holders() == {"a": [1, 2]}
+    led.finish(["a"])
+    assert led.counts.sum() == 0
 
 
 # ---- the family wrap ----------------------------------------------------------------------

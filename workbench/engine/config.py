@@ -43,6 +43,12 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads on CPU (None: torch's default)
     capture_trace: str | None = None      # path of a JSONL file that records every arriving request
+    # The flight recorder (workbench/recorder/): requests, page-pool events and steps in a bounded
+    # ring of JSONL segments in this directory; record_privacy keeps prompt lengths and per-page
+    # digests instead of token ids.
+    record_dir: str | None = None
+    record_max_bytes: int = 256 * 2**20
+    record_privacy: bool = False
     # "global": one page-table lock for the step, every stream's table update and every
     # stats() reader (the lock_storm setup); "sharded": a lock per stream shard, stats()
     # from a snapshot published after each step (the fix, field note 6).
@@ -100,6 +106,8 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be a positive int, got {self.num_threads!r}")
         if self.page_table_lock not in PAGE_TABLE_LOCKS:
             raise ConfigError(f"page_table_lock={self.page_table_lock!r} is not one of {PAGE_TABLE_LOCKS}")
+        if not isinstance(self.record_max_bytes, int) or self.record_max_bytes < 4096:
+            raise ConfigError(f"record_max_bytes must be an int >= 4096, got {self.record_max_bytes!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive int, got {tp!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 CAPTURE = "workbench.trace.capture:TraceCapture"
+RECORDER = "workbench.recorder.engine:EngineRecorder"
 
 
 def from_config(engine):
@@ -19,3 +20,13 @@ def from_config(engine):
         return None
     mod, cls = CAPTURE.split(":")
     return getattr(importlib.import_module(mod), cls)(engine, path)
+
+
+def recorder_from_config(engine):
+    """The flight recorder the config asks for (EngineConfig.record_dir; None when unset)."""
+    cfg = engine.config
+    if not cfg.record_dir:
+        return None
+    mod, cls = RECORDER.split(":")
+    return getattr(importlib.import_module(mod), cls)(engine, cfg.record_dir, max_bytes=cfg.record_max_bytes,
+                                                      privacy=cfg.record_privacy)

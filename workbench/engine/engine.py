@@ -109,6 +109,7 @@ class Engine:
         # Consumers the config asks for (capture_trace) subscribe to the bus like any other;
         # the engine names them by module path only (consumers.py) and imports none of them.
         self.capture = consumers.from_config(self)
+        self.recorder = consumers.recorder_from_config(self)
         self._publish_stats()       # sharded: stats() has a snapshot before the first step
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
                  self.num_pages, config.page_size, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,

@@ -61,7 +61,7 @@ class PoolWatch:
         if not self.rules:
             self.rules, _ = group_rules(scheduler)
         groups = scheduler.kv_cache_config.kv_cache_groups
-        self.ledger = BlockLedger(len(pool.blocks), [r or GroupRule() for r in self.rules],
+        self.ledger = BlockLedger(len(pool.blocks), [r or GroupRule("unmodelled") for r in self.rules],
                                   [int(g.kv_cache_spec.block_size) for g in groups],
                                   getattr(getattr(pool, "null_block", None), "block_id", None))
 
@@ -100,6 +100,8 @@ class PoolWatch:
 
     def on_update(self, scheduler, so) -> None:
         t0 = self.t_sched.pop(id(so), None)
+        if self.ledger is not None:
+            self.touched |= self.ledger.done(so).touched()     # its tokens processed: windows move on
         now = time.perf_counter()
         step_s = None if t0 is None else now - t0
         self.step += 1
@@ -330,8 +332,10 @@ class PoolWatch:
             for b in bl:
                 pins.setdefault(b.block_id, []).append(f"deferred free (fence step {fence})")
         mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
+        pool = scheduler.kv_cache_manager.block_pool
         for g, rule in enumerate(self.rules):
-            if rule is None and g < len(mgrs):          # a Mamba / state group: vLLM's own lists, named
+            # a Mamba / state group: vLLM's own lists, named (not a manager with its own host pool)
+            if rule is None and g < len(mgrs) and getattr(mgrs[g], "block_pool", pool) is pool:
                 why = f"group {g} ({type(mgrs[g]).__name__}): not modelled by the ledger"
                 for rid, bl in list(mgrs[g].req_to_blocks.items()):
                     for b in bl:
@@ -373,7 +377,7 @@ class PoolWatch:
                 holders.setdefault(f"<pinned: {w}>", []).append(blk)
         live = {rid: "held" for rid in holders}
         computed = None
-        if len(self.rules) <= 1:
+        if len(self.rules) == 1 and self.rules[0] is not None and self.rules[0].kind == "full":
             computed = {r: e.computed + e.scheduled for r, e in self.ledger.reqs.items()}
         found = sanitizer.pool_findings(self.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
                                         _index_errors(pool, has_hash), self.ledger.last_holder,
@@ -403,6 +407,12 @@ class PoolWatch:
         return found, (ref.astype(np.int32), owner, cached), extra
 
 
+# managers of a modelled family whose rules differ from their base's: R-SWA frees a middle gap,
+# ring buffers reuse one block, HiSparse draws from its own host pool
+UNMODELLED = ("RSWAManager", "CircularBufferManager", "HiSparseSourceManager", "HiSparseHotManager",
+              "HiSparseResidentManager", "MambaManager", "CrossAttentionManager")
+
+
 def group_rules(scheduler) -> tuple[list[GroupRule | None], str]:
     """Each KV cache group's rule, from its spec (window, chunk) and its manager's kind; None for a
     group the ledger does not model (Mamba and other state groups, R-SWA, ring buffers): its
@@ -411,17 +421,20 @@ def group_rules(scheduler) -> tuple[list[GroupRule | None], str]:
     mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
     rules, said = [], []
     for g, grp in enumerate(groups):
-        spec, mgr = grp.kv_cache_spec, type(mgrs[g]).__name__ if g < len(mgrs) else "?"
-        if mgr in ("FullAttentionManager", "SinkFullAttentionManager"):
-            rule, how = GroupRule(), "every block until the request ends"
-        elif mgr == "SlidingWindowManager":
+        spec = grp.kv_cache_spec
+        mro = [c.__name__ for c in type(mgrs[g]).__mro__] if g < len(mgrs) else ["?"]
+        mgr = mro[0]          # a platform's subclass of a manager follows its base's rule, unless named here
+        if mgr in UNMODELLED or not {"FullAttentionManager", "SlidingWindowManager",
+                                     "ChunkedLocalAttentionManager"} & set(mro):
+            rule, how = None, f"{mgr}: not modelled, its own lists count as pins, no provenance"
+        elif "SlidingWindowManager" in mro:
             rule = GroupRule("sliding", int(spec.sliding_window), int(getattr(spec, "extra_retained_tokens", 0) or 0))
             how = f"window {rule.window} tokens: blocks behind it may be freed mid-request"
-        elif mgr == "ChunkedLocalAttentionManager":
+        elif "ChunkedLocalAttentionManager" in mro:
             rule = GroupRule("chunked", int(spec.attention_chunk_size))
             how = f"chunks of {rule.window} tokens: blocks before the current chunk may be freed"
         else:
-            rule, how = None, f"{mgr}: not modelled, its own lists count as pins, no provenance"
+            rule, how = GroupRule(), "every block until the request ends"
         rules.append(rule)
         said.append(f"group {g} {type(spec).__name__} (block {spec.block_size}; {how})")
     return rules, f"{len(groups)} KV cache group(s): " + "; ".join(said) if groups else ""

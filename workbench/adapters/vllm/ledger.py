@@ -30,7 +30,7 @@ import numpy as np
 @dataclass(frozen=True)
 class GroupRule:
     """How many leading tokens of a request a group may have freed, at `computed` tokens."""
-    kind: str = "full"                      # full | sliding | chunked
+    kind: str = "full"                      # full | sliding | chunked | unmodelled (not counted)
     window: int = 0                         # sliding window or chunk size, tokens
     retained: int = 0                       # tokens kept past the window's trailing edge (spec decode)
 
@@ -47,6 +47,7 @@ class Entry:
     groups: list[list[int]]                 # block ids per KV cache group
     computed: int = 0                       # tokens computed before the step that last scheduled it
     scheduled: int = 0                      # tokens that step scheduled
+    processed: int = 0                      # tokens whose step's results are back (vLLM frees on this basis)
     floor: list[int] = field(default_factory=list)   # per group: leading blocks it may have let go
 
 
@@ -72,6 +73,7 @@ class BlockLedger:
         self.null = null_block
         self.counts = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
         self.optional = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
+        self._after: dict[int, dict[str, int]] = {}     # id(SchedulerOutput) -> processed tokens when done
 
     def _count(self, arr, blocks, by: int) -> None:
         if arr is None or not blocks:
@@ -93,21 +95,28 @@ class BlockLedger:
                 continue
             ids = [int(b) for b in ids]
             e.groups[g].extend(ids)
+            if not self._counted(g):
+                continue
             self._count(self.counts, ids, 1)
             for b in ids:
                 if b != self.null:
                     delta.added.add(b)
                     self.last_holder[b] = rid
 
+    def _counted(self, g: int) -> bool:
+        return g >= len(self.rules) or self.rules[g].kind != "unmodelled"
+
     def _advance(self, e: Entry, delta: Delta) -> None:
         """Blocks that left a group's window move from must-hold to may-have-freed; the new edge is
-        touched. Recomputed from the tokens vLLM says are computed, with the group's own rule."""
+        touched. Recomputed with the group's own rule from the tokens whose step is done: vLLM frees
+        on that basis (computed minus in flight), so a block an in-flight step still reads stays
+        must-hold under async scheduling too."""
         for g, rule in enumerate(self.rules[:len(e.groups)]):
-            if rule.kind == "full":
+            if rule.kind in ("full", "unmodelled"):
                 continue
             blocks = e.groups[g]
             bs = self.block_sizes[g]
-            new = min(rule.skipped(e.computed) // bs, len(blocks))
+            new = min(rule.skipped(e.processed) // bs, len(blocks))
             old = e.floor[g]
             if new > old:                      # vLLM never takes a freed window block back
                 moved = blocks[old:new]
@@ -127,6 +136,8 @@ class BlockLedger:
         delta.released[rid] = blocks
         delta.removed.update(blocks)
         for g, ids in enumerate(e.groups):
+            if not self._counted(g):
+                continue
             f = e.floor[g] if g < len(e.floor) else 0
             self._count(self.optional, ids[:f], -1)
             self._count(self.counts, ids[f:], -1)
@@ -140,10 +151,13 @@ class BlockLedger:
         for rid in getattr(so, "preempted_req_ids", None) or ():
             self._release(rid, d)
         sched = getattr(so, "num_scheduled_tokens", None) or {}
+        after: dict[str, int] = {}             # request -> tokens processed once this output's step is done
         for nr in getattr(so, "scheduled_new_reqs", None) or ():
             self._map(nr.req_id, nr.block_ids, d, replace=True)
             e = self.reqs[nr.req_id]
             e.computed, e.scheduled = int(nr.num_computed_tokens), int(sched.get(nr.req_id, 0))
+            e.processed = e.computed           # its prefix hit: done before any step
+            after[nr.req_id] = e.computed + e.scheduled
             self._advance(e, d)
         c = getattr(so, "scheduled_cached_reqs", None)
         if c is not None:
@@ -158,6 +172,24 @@ class BlockLedger:
                 if e is None:                  # a running request the ledger never saw added
                     e = self.reqs[rid] = Entry([])
                 e.computed, e.scheduled = int(c.num_computed_tokens[i]), int(sched.get(rid, 0))
+                if rid in resumed:
+                    e.processed = e.computed
+                after[rid] = e.computed + e.scheduled
+                self._advance(e, d)
+        if self.rules and any(r.kind not in ("full", "unmodelled") for r in self.rules):
+            self._after[id(so)] = after
+            while len(self._after) > 64:       # outputs whose results never came back: bounded
+                self._after.pop(next(iter(self._after)))
+        return d
+
+    def done(self, so) -> Delta:
+        """The step of this SchedulerOutput is done (update_from_output returned): its tokens count as
+        processed, and window floors move on."""
+        d = Delta()
+        for rid, n in (self._after.pop(id(so), None) or {}).items():
+            e = self.reqs.get(rid)
+            if e is not None and n > e.processed:
+                e.processed = n
                 self._advance(e, d)
         return d
 
@@ -173,6 +205,7 @@ class BlockLedger:
         out = {}
         for r, e in self.reqs.items():
             sel = range(len(e.groups)) if group is None else [group] if group < len(e.groups) else []
+            sel = [g for g in sel if self._counted(g)]
             blocks = []
             for g in sel:
                 f = e.floor[g] if g < len(e.floor) else 0
@@ -183,7 +216,9 @@ class BlockLedger:
         return out
 
     def who(self, block: int) -> list[tuple[str, int, int]]:
-        """(request, group, index) for each place a block is mapped (a scan: for naming the few
-        blocks a finding is about)."""
-        return [(r, g, i) for r, e in self.reqs.items() for g, ids in enumerate(e.groups)
-                for i, b in enumerate(ids) if b == block]
+        """(request, group, index) for each place a block must still be held (a scan: for naming the
+        few blocks a finding is about); where none must, those that may have let it go."""
+        at = [(r, g, i, i >= (e.floor[g] if g < len(e.floor) else 0)) for r, e in self.reqs.items()
+              for g, ids in enumerate(e.groups) if self._counted(g) for i, b in enumerate(ids) if b == block]
+        must = [(r, g, i) for r, g, i, m in at if m]
+        return must or [(r, g, i) for r, g, i, _ in at]

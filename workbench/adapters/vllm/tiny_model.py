@@ -10,9 +10,10 @@ The hybrid variant (`hybrid=True`, `--hybrid`) makes layer 0 sliding-window atte
 of HYBRID_WINDOW tokens) and layer 1 full attention, through the config's `layer_types` as
 Gemma 3 / Mistral-style models spell it: vLLM gives it two KV cache groups (SlidingWindowSpec
 and FullAttentionSpec) sharing one block pool, and frees the sliding group's blocks as they
-leave the window, mid-request. Nothing is downloaded.
+leave the window, mid-request. The sliding variant (`sliding=True`, `--sliding`) makes both layers
+sliding-window: one SlidingWindowSpec group (a Mistral-7B-v0.1-like model). Nothing is downloaded.
 
-    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid] [OUT]      # prints the directory
+    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid | --sliding] [OUT]   # prints the directory
 """
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ from .model_dir import DEFAULT_DIR, write_model_dir
 DEFAULT_TINY_DIR = Path(os.environ.get("PAGEDKV_VLLM_TINY_DIR",
                                        Path(__file__).resolve().parents[3] / ".cache" / "vllm-tiny-model"))
 DEFAULT_HYBRID_DIR = DEFAULT_TINY_DIR.with_name("vllm-hybrid-model")
+DEFAULT_SLIDING_DIR = DEFAULT_TINY_DIR.with_name("vllm-sliding-model")
 HYBRID_WINDOW = 64
 _DONE = ".written"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json")
 
 
-def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False) -> Path:
-    out = Path(out or (DEFAULT_HYBRID_DIR if hybrid else DEFAULT_TINY_DIR))
+def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False, sliding: bool = False) -> Path:
+    out = Path(out or (DEFAULT_HYBRID_DIR if hybrid else DEFAULT_SLIDING_DIR if sliding else DEFAULT_TINY_DIR))
+    layers = (["sliding_attention", "full_attention"] if hybrid else ["sliding_attention"] * 2 if sliding else None)
     if (out / _DONE).exists():
         return out
     import torch
@@ -42,8 +45,7 @@ def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False) ->
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16",
-                      **({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": HYBRID_WINDOW}
-                         if hybrid else {}))
+                      **({"layer_types": layers, "sliding_window": HYBRID_WINDOW} if layers else {}))
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,5 +58,5 @@ def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False) ->
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--hybrid"]
-    print(write_tiny_model_dir(*(args[:1]), hybrid="--hybrid" in sys.argv[1:]))
+    args = [a for a in sys.argv[1:] if a not in ("--hybrid", "--sliding")]
+    print(write_tiny_model_dir(*(args[:1]), hybrid="--hybrid" in sys.argv[1:], sliding="--sliding" in sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Issue 28, our engine's side: the flight recorder's ring, its crash safety and what opens from it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from workbench import Engine, EngineConfig, SamplingParams
+from workbench.events import EventLog
+from workbench.recorder.reader import RecordingError, open_recording
+from workbench.recorder.ring import SegmentRing
+from workbench.trace.readers import read_trace
+from workbench.trace.schema import TraceFormatError
+from workbench.trace.timetravel import TimeTravel
+
+
+def prompts(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    pre = rng.integers(3, 256, 40).tolist()
+    return [pre + rng.integers(3, 256, int(k)).tolist() for k in rng.integers(3, 40, n)]
+
+
+def test_a_recording_replays_the_pool_exactly_and_its_requests_as_a_trace(sharp_llama_dir, tmp_path):
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=14, max_num_batched_tokens=64,
+                                                               record_dir=str(tmp_path / "rec")))
+    live = EventLog(eng.bus, max_rows=None)              # the live engine's own events, for comparison
+    ps = prompts()
+    eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert eng.scheduler.num_preemptions > 0              # a pool small enough to preempt and evict
+    rec = open_recording(tmp_path / "rec")
+    assert rec.header["schema"] == "kvwb-recording/1" and rec.num_blocks == 14 and rec.block_size == 16
+    assert rec.header["engine_config"]["max_num_batched_tokens"] == 64 and not rec.skipped
+    # the pool at every recorded step, rebuilt from the recording, equals the one rebuilt from the live log
+    tt, ref = rec.time_travel(), TimeTravel(live, 14)
+    seen = {k: max(tt.state_at(s).counts()[k] for s in range(1, eng.step_count + 1)) for k in ("owned", "shared")}
+    assert seen["owned"] > 0 and seen["shared"] > 0          # prefix sharing really happened in the window
+    for step in range(1, eng.step_count + 1):
+        a, b = tt.state_at(step), ref.state_at(step)
+        assert (a.states == b.states).all() and (a.ref == b.ref).all() and a.owner_sets() == b.owner_sets(), step
+    tr = read_trace(tmp_path / "rec")
+    assert tr.format == "recording" and [r.prompt_token_ids for r in tr] == ps
+    assert all(r.output_len == 30 for r in tr) and tr.records[0].sampling.get("ignore_eos") is True
+
+
+def test_privacy_keeps_lengths_and_page_digests_only(sharp_llama_dir, tmp_path):
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64, record_dir=str(tmp_path / "r"),
+                                                               record_privacy=True))
+    ps = prompts(3)
+    eng.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True))
+    text = "".join(p.read_text() for p in (tmp_path / "r").glob("seg-*.jsonl"))
+    assert "prompt_token_ids" not in text
+    tr = read_trace(tmp_path / "r")
+    assert [r.prompt_len for r in tr] == [len(p) for p in ps]
+    # the shared 40-token prefix: the first two pages' digests agree across requests, so replay shares them
+    assert tr.records[0].hash_ids[:2] == tr.records[1].hash_ids[:2] and tr.records[0].hash_block_size == 16
+
+
+def test_the_ring_keeps_its_cap_dropping_the_oldest_segment(tmp_path):
+    ring = SegmentRing(tmp_path, {"writer": "test"}, max_bytes=64 * 1024, segment_bytes=8 * 1024)
+    for i in range(20_000):
+        ring.write({"k": "ev", "e": "EngineIdle", "step": i, "t_ns": i})
+        if i % 50 == 0:
+            ring.flush()
+    ring.close()
+    segs = sorted(tmp_path.glob("seg-*.jsonl"))
+    assert ring.dropped_segments > 0 and sum(p.stat().st_size for p in segs) <= 64 * 1024 + 8 * 1024
+    rec = open_recording(tmp_path)
+    steps = [f["step"] for _, f in rec.events]
+    assert steps == list(range(steps[0], 20_000))          # the newest window, whole and in order
+
+
+def test_a_corrupt_line_and_a_torn_tail_are_named_and_the_rest_opens(sharp_llama_dir, tmp_path):
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64, record_dir=str(tmp_path / "r"),
+                                                               record_max_bytes=16 * 1024))
+    eng.generate(prompts(8), SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.recorder.close()
+    segs = sorted((tmp_path / "r").glob("seg-*.jsonl"))
+    assert len(segs) >= 2
+    lines = segs[0].read_text().splitlines(keepends=True)
+    lines[3] = '{"k": "ev", "e": "PagesFreed", "pages": [1, 2\n'          # a line damaged on disk
+    segs[0].write_text("".join(lines))
+    with open(segs[-1], "a") as f:
+        f.write('{"k": "ev", "e": "StepFin')                               # the tail a SIGKILL cut
+    with pytest.raises(RecordingError, match=rf"{segs[0].name}:4: not a recording line"):
+        open_recording(tmp_path / "r", strict=True)
+    rec = open_recording(tmp_path / "r")
+    assert rec.skipped == {"corrupt_lines": 1, "torn_last_line": 1} and f"{segs[0]}:4" in rec.problems[0]
+    assert len(rec.segments) == len(segs) and rec.events
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(TraceFormatError, match="not a recording"):
+        read_trace(tmp_path / "nothing")
+
+
+KILLED = textwrap.dedent("""
+    import sys, numpy as np
+    from workbench import Engine, EngineConfig, SamplingParams
+    eng = Engine.from_pretrained(sys.argv[1], EngineConfig(num_pages=64, record_dir=sys.argv[2]))
+    rng = np.random.default_rng(0)
+    for i in range(10_000):
+        eng.add_request(rng.integers(3, 256, 20).tolist(), SamplingParams(max_tokens=400, ignore_eos=True))
+        eng.step()
+        if i == 30:
+            print("RUNNING", flush=True)
+""")
+
+
+def test_sigkill_mid_run_loses_at_most_the_step_in_flight(sharp_llama_dir, tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(sharp_llama_dir), str(tmp_path / "r")],
+                         stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert p.stdout.readline().strip() == "RUNNING"
+    time.sleep(1.0)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    rec = open_recording(tmp_path / "r")
+    steps = [f["step"] for n, f in rec.events if n == "StepFinished"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 30
+    # every step whose StepFinished is on disk has its pool events too: TimeTravel rebuilds it
+    tt = rec.time_travel()
+    assert tt.state_at(steps[-1]).counts()["owned"] > 0
+    assert len(rec.requests) >= len(steps) - 1              # requests are written as they arrive
