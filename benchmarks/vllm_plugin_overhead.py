@@ -42,8 +42,9 @@ from workbench.adapters.vllm.tiny_model import write_tiny_model_dir  # noqa: E40
 class Engine:
     """One EngineCore in a vLLM-environment subprocess, running rounds on request."""
 
-    def __init__(self, model: Path, num_blocks: int, sanitizer: str | None):
+    def __init__(self, model: Path, num_blocks: int, sanitizer: str | None, extra_env: dict | None = None):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
+        env.update(extra_env or {})
         c = json.loads((model / "config.json").read_text())
         per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * \
             c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) * 2          # K and V, bf16

@@ -6,6 +6,15 @@ import torch
 torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _recordings_in_tmp(tmp_path_factory):
+    """The vLLM plugin's flight recorder is on with the plugin: tests' vLLM processes (they inherit
+    this environment) record under the test's temporary directory, not the user's cache."""
+    if "PAGEDKV_RECORD_DIR" not in os.environ:
+        os.environ["PAGEDKV_RECORD_DIR"] = str(tmp_path_factory.mktemp("recordings"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama written by transformers as a real HF directory (safetensors).

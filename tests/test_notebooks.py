@@ -77,7 +77,7 @@ def test_notebook_and_its_py_hold_the_same_cells(path):
 def test_notebook_runs_top_to_bottom(path, tmp_path):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
-    if path.stem == "watch_your_vllm":
+    if path.stem in ("watch_your_vllm", "flight_recorder_incident"):
         from workbench.adapters.vllm.server import vllm_python
         if not vllm_python().exists():
             pytest.skip(f"no vLLM environment at {vllm_python()} (make vllm installs it)")

@@ -125,3 +125,66 @@ def test_sigkill_mid_run_loses_at_most_the_step_in_flight(sharp_llama_dir, tmp_p
     tt = rec.time_travel()
     assert tt.state_at(steps[-1]).counts()["owned"] > 0
     assert len(rec.requests) >= len(steps) - 1              # requests are written as they arrive
+
+
+def _shared_prefix_scenario(eng):
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, 256, 48).tolist()
+    a = eng.add_request(prefix + rng.integers(3, 256, 8).tolist(), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()
+    b = eng.add_request(prefix + rng.integers(3, 256, 24).tolist(), SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    for _ in range(6):
+        eng.step()
+    eng.add_request(rng.integers(3, 256, 64).tolist(), SamplingParams(max_tokens=8, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    return b
+
+
+def test_a_finding_freezes_a_bundle_that_replays_into_the_same_finding(sharp_llama_dir, tmp_path):
+    from workbench import Workbench, faults
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=8, record_dir=str(tmp_path / "r")))
+    wb = Workbench(eng, log=False).attach("page_table")
+    with faults.inject(eng, "free_while_shared"):
+        b = _shared_prefix_scenario(eng)
+    first = wb.findings_at_least("error")[0]
+    assert first.kind == "free-while-mapped" and first.request_id == b
+    assert eng.recorder.bundles, "a finding >= error freezes a bundle"
+    bundle = Workbench.open(eng.recorder.bundles[0])
+    assert bundle.path.parent.name == "bundles" and any(f["kind"] == "free-while-mapped" for f in bundle.findings)
+    # the bundle's requests, replayed step for step on a fresh engine with the recorded settings and
+    # the same bug, give the same finding on the same request; without the bug, none
+    for bug in (True, False):
+        eng2 = Engine.from_pretrained(sharp_llama_dir, bundle.engine_config())
+        wb2 = Workbench(eng2, log=False).attach("page_table")
+        if bug:
+            with faults.inject(eng2, "free_while_shared"):
+                bundle.replay_steps(eng2)
+            again = wb2.findings_at_least("error")[0]
+            assert again.kind == first.kind and again.request_id == b and again.step == first.step
+        else:
+            log = bundle.replay_steps(eng2)
+            assert not wb2.findings_at_least("warn")
+            assert bundle.compare(log) is None or bundle.compare(log)["step"] >= first.step
+    # replayed with other settings, the first parting step is named and blamed on the config
+    eng3 = Engine.from_pretrained(sharp_llama_dir, bundle.engine_config(max_num_batched_tokens=16))
+    part = bundle.compare(bundle.replay_steps(eng3), engine=eng3)
+    assert part["step"] == 1 and part["config_differs"] == {"max_num_batched_tokens": (2048, 16)}
+    assert "a config difference" in part["said"]
+
+
+def test_an_exception_in_a_step_freezes_a_bundle_and_still_raises(sharp_llama_dir, tmp_path):
+    from workbench import faults
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64, record_dir=str(tmp_path / "r")))
+    rng = np.random.default_rng(1)
+    eng.add_request(rng.integers(3, 256, 130).tolist(), SamplingParams(max_tokens=4, ignore_eos=True))
+    with faults.inject(eng, "admission_refuses_long_prompts"):
+        with pytest.raises(RuntimeError, match="scheduler stalled"):
+            for _ in range(5):
+                eng.step()
+    (bundle,) = eng.recorder.bundles
+    assert bundle.endswith("-exception")
+    rec = open_recording(bundle)
+    (failed,) = [f for n, f in rec.events if n == "StepFailed"]
+    assert "scheduler stalled" in failed["error"] and len(rec.requests) == 1

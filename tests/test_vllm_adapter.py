@@ -39,7 +39,9 @@ def served(tmp_path_factory):
     faults = str(d / "faults.json")
     write_fault_file(faults)
     san, kv, rp = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-    server = VllmServer(sanitizer=san, kv_events=kv, kv_replay=rp, fault_file=faults, log_path=d / "vllm.log")
+    server = VllmServer(sanitizer=san, kv_events=kv, kv_replay=rp, fault_file=faults, log_path=d / "vllm.log",
+                        extra_env={"PAGEDKV_RECORD_DIR": str(d / "rec")})
+    server.record_root = d / "rec"                # the plugin's flight recorder (issue 28)
     # the workbench binds the sanitizer and KV-event addresses before vLLM connects to them
     wb = Workbench.connect_vllm(url=server.url, kv_events=kv, sanitizer=san, kv_replay=rp, interval_s=0.25)
     try:
@@ -115,6 +117,28 @@ def test_clean_burst_no_findings_and_vllm_agrees(served):
     assert len(steps_df) >= len(steps) * 0.9 and steps_df["num_blocks"].iloc[-1] == st["num_blocks"]
     assert stored_df["num_tokens"].sum() >= 32 * len(conn.kv.stored)
     assert len(wb.log.frame("VllmMetricsScraped")) > 0
+
+
+def test_the_server_keeps_a_flight_recording_and_sigusr1_freezes_a_bundle(served):
+    import os
+    import signal
+
+    from workbench import Workbench
+    wb, server, _ = served
+    (d,) = [p for p in server.record_root.iterdir() if p.is_dir()]      # the engine core process's recording
+    assert f"flight recorder: {d}" in server.log_path.read_text()
+    rec = Workbench.open(d)
+    assert rec.header["writer"] == "vllm plugin" and rec.header["block_size"] == 32 and not rec.skipped
+    assert len(rec.requests) >= len(QUESTIONS) and rec.requests[0]["prompt_token_ids"]
+    assert any(n == "StepFinished" for n, _ in rec.events)
+    os.kill(rec.header["pid"], signal.SIGUSR1)                # on demand, from outside: the path is logged
+    t0 = time.time()
+    while time.time() - t0 < 15 and not list((d / "bundles").glob("*-SIGUSR1")):
+        time.sleep(0.2)
+    (bundle,) = list((d / "bundles").glob("*-SIGUSR1"))
+    assert len(Workbench.open(bundle).requests) == len(rec.requests)
+    assert server.chat([{"role": "user", "content": "Still there?"}], max_tokens=4)["choices"], \
+        "vLLM serves on after the dump"
 
 
 @pytest.mark.parametrize("fault, kind", [("permuted_block_table_rows", "block-table"),

@@ -306,12 +306,15 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
 
 
 def _args_replay(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a request trace: native JSONL/Parquet, Mooncake JSONL, Azure or BurstGPT CSV")
+    p.add_argument("trace", help="a request trace (native JSONL/Parquet, Mooncake JSONL, Azure or BurstGPT CSV) or a "
+                                 "flight recording / repro bundle directory (its block size, pool size, batching "
+                                 "limits and prefix caching are the defaults)")
     p.add_argument("--format", default="auto", help="auto (default), jsonl, parquet, mooncake, azure, burstgpt")
     p.add_argument("--mode", choices=("simulate", "full"), default="simulate",
                    help="simulate: real scheduler + page pool, cost model (fast); full: the real model")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None, help="default: 65536 (simulate), 2048 (full)")
+    p.add_argument("--page-size", type=int, default=None, help="default: the recording's block size, else 16")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="default: the recording's pool size, else 65536 (simulate), 2048 (full)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -335,18 +338,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"kvwb replay: {e}", file=sys.stderr)
         return 2
     full = args.mode == "full"
-    kw = {"page_size": args.page_size,
-          "num_pages": args.num_pages or (2048 if full else 65536)}
-    if args.max_num_seqs:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    rec = _recorded_config(args.trace)          # a recording: replay with what it ran with
+    kw = {"page_size": args.page_size or rec.get("page_size") or 16,
+          "num_pages": args.num_pages or rec.get("num_pages") or (2048 if full else 65536)}
+    for k in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        v = getattr(args, k, None) or rec.get(k)
+        if v is not None:
+            kw[k] = v
+    if rec:
+        print(f"{args.trace}: recorded by {rec.get('writer', '?')}: " + ", ".join(f"{k}={v}" for k, v in kw.items()))
     try:
         cfg = EngineConfig(**kw)
     except ConfigError as e:
         print(f"kvwb replay: {e}", file=sys.stderr)
         return 2
-    scale = args.length_scale if args.length_scale is not None else (1 / 32 if full else 1.0)
+    scale = args.length_scale if args.length_scale is not None else (1 / 32 if full and not rec else 1.0)
     target = cfg
     if full:
         from workbench import Engine, Workbench
@@ -380,6 +386,42 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.chrome_trace:
         from workbench.export import write_chrome_trace
         print(f"chrome trace: {write_chrome_trace(res.log, args.chrome_trace)}")
+    return 0
+
+
+def _recorded_config(path) -> dict:
+    """The engine settings a flight recording ran with ({} for any other trace)."""
+    from workbench.recorder.reader import RecordingError, is_recording, open_recording
+    if not is_recording(path):
+        return {}
+    try:
+        h = open_recording(path).header
+    except RecordingError:
+        return {}
+    return {"writer": h.get("writer"), "page_size": h.get("block_size"), "num_pages": h.get("num_blocks"),
+            "max_num_seqs": h.get("max_num_seqs"), "max_num_batched_tokens": h.get("max_num_batched_tokens"),
+            "enable_prefix_caching": h.get("enable_prefix_caching")}
+
+
+# --------------------------------------------------------------------------
+# dump
+# --------------------------------------------------------------------------
+
+
+def _args_dump(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recording", help="a flight recorder directory (EngineConfig.record_dir, the vLLM plugin's "
+                                     "PAGEDKV_RECORD_DIR), its writer alive or not")
+    p.add_argument("--reason", default="on-demand", help="a word for the bundle's name and manifest")
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from workbench.recorder.bundle import freeze_dir
+    try:
+        out = freeze_dir(args.recording, args.reason)
+    except (FileNotFoundError, OSError) as e:
+        print(f"kvwb dump: {e}", file=sys.stderr)
+        return 2
+    print(f"bundle: {out}")
     return 0
 
 
@@ -488,6 +530,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
 # name -> (handler, argument declarer, one-line help)
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]] = {
     "doctor": (cmd_doctor, _args_doctor, "check the install: torch, device, dtypes, bandwidth, matmul, default model"),
+    "dump": (cmd_dump, _args_dump, "freeze a flight recording's current window into a repro bundle"),
     "replay": (cmd_replay, _args_replay, "replay a request trace (simulate or full) and summarise what happened"),
     "serve-metrics": (cmd_serve_metrics, _args_serve_metrics, "load an engine and serve its kvwb_* Prometheus metrics over HTTP"),
     "vllm": (cmd_vllm, _args_vllm, "ask a running vLLM's plugin which checks run, on which step path and runner"),

@@ -166,6 +166,12 @@ class StepFinished(Event):
 
 
 @dataclass(slots=True)
+class StepFailed(Event):
+    """Engine.step raised (the exception goes on to the caller): what the flight recorder freezes on."""
+    error: str
+
+
+@dataclass(slots=True)
 class EngineIdle(Event):
     """The engine has nothing left to run (no request running, waiting or queued)."""
     pages_used: int
@@ -242,7 +248,7 @@ class VllmMetricsScraped(Event):
 EVENT_TYPES: tuple[type, ...] = (
     RequestSubmitted, RequestArrived, RequestAdmitted, RequestRejected, RequestPreempted, RequestFinished,
     PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered,
-    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, EngineIdle, RankStepFinished,
+    BlockTableBound, BatchPacked, AttentionRead, KVWritten, StepFinished, StepFailed, EngineIdle, RankStepFinished,
     LockWaited, LockHeld,
     VllmStepChecked, VllmBlocksStored, VllmBlocksRemoved, VllmMetricsScraped,
 )

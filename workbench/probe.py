@@ -94,6 +94,9 @@ class Probe:
             return None
         f = Finding(self.name, severity, message, hint, kind or self.name, **fields)
         self.findings.append(f)
+        rec = getattr(self.engine, "recorder", None)
+        if rec is not None:                  # the flight recorder keeps it; one >= error freezes a bundle
+            rec.note_finding(f)
         return f
 
     def findings_frame(self):

@@ -46,6 +46,14 @@ class Workbench:
         from .engine import Engine, EngineConfig
         return cls(Engine.from_default(config or EngineConfig()), **kw)
 
+    @staticmethod
+    def open(path, strict: bool = False):
+        """A flight recording or repro bundle (workbench/recorder/), even one a killed process left:
+        .requests, .findings, .frame(), .time_travel() (the recorded pool at any step), .trace(),
+        .replay() with the recorded settings and .compare() of the two."""
+        from .recorder.reader import open_recording
+        return open_recording(path, strict=strict)
+
     def attach(self, *names: str, **params: Any) -> "Workbench":
         """Attach probes by name (all of them when none is named). params: {name: {...}} per probe."""
         import probes as registry

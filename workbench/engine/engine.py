@@ -17,7 +17,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, RequestArrived, RequestSubmitted,
+from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, StepFailed, RequestArrived, RequestSubmitted,
                       StepFinished, now_ns)
 from ..events import RequestRejected as RequestRejectedEvent
 from ..locks import InstrumentedLock
@@ -292,6 +292,14 @@ class Engine:
         return [self._output(seq) for seq in aborted]
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except Exception as e:
+            if self.bus.wants(StepFailed):            # the flight recorder freezes a bundle on it
+                self.bus.emit(StepFailed(self.step_count, now_ns(), f"{type(e).__name__}: {e}"))
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter_ns()
         self.step_started_ns, self.step_thread_id = t0, threading.get_ident()
         self.step_count += 1

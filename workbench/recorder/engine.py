@@ -12,7 +12,8 @@ no event object is built for it):
             to rebuild the pool at any recorded step
 
 The ring is flushed at each StepFinished and EngineIdle: a SIGKILL loses at most the step in
-flight. Findings a Workbench sees go in too (`note_finding`), and freeze a bundle at >= error.
+flight. Findings a probe reports go in too (`note_finding`), and freeze a bundle at >= error (one
+per kind); so does an exception in Engine.step (StepFailed).
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ import time
 
 from ..events import (EVENT_BY_NAME, EngineIdle, PagesAllocated, PagesEvicted, PagesFreed, PagesRegistered,
                       PagesShared, RequestAdmitted, RequestFinished, RequestPreempted, RequestRejected,
-                      RequestSubmitted, StepFinished)
+                      RequestSubmitted, StepFailed, StepFinished)
 from .ring import DEFAULT_MAX_BYTES, SegmentRing
 
 RECORDED = (PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered, RequestAdmitted,
-            RequestPreempted, RequestFinished, RequestRejected, StepFinished, EngineIdle)
+            RequestPreempted, RequestFinished, RequestRejected, StepFinished, StepFailed, EngineIdle)
 _FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in RECORDED}
 
 
@@ -59,6 +60,7 @@ class EngineRecorder:
         self.root = self.ring.root
         self._t0 = time.perf_counter()
         self.bundles: list[str] = []
+        self._frozen_kinds: set[str] = set()
         self.bus = engine.bus
         self.bus.subscribe(RequestSubmitted, self._submitted)
         self.bus.subscribe_rows(RECORDED, self._row)
@@ -66,7 +68,8 @@ class EngineRecorder:
     def _submitted(self, e: RequestSubmitted) -> None:
         rid = e.request_id if e.user_request_id is None else e.user_request_id
         params = dataclasses.asdict(e.params) if dataclasses.is_dataclass(e.params) else {}
-        rec = {"k": "request", "id": rid, "rid": e.request_id, "arrival_s": round(max(e.arrival_time - self._t0, 0), 6),
+        rec = {"k": "request", "id": rid, "rid": e.request_id, "step": e.step,
+               "arrival_s": round(max(e.arrival_time - self._t0, 0), 6),
                "output_len": params.pop("max_tokens", None), "sampling": params}
         ids = list(e.prompt_token_ids)
         if self.privacy:
@@ -81,12 +84,15 @@ class EngineRecorder:
         self.ring.write({"k": "ev", "e": etype.__name__, **dict(zip(_FIELDS[etype], row))})
         if etype is StepFinished or etype is EngineIdle:
             self.ring.flush()
+        elif etype is StepFailed:                 # an exception in the step: the window before it, frozen
+            self.freeze("exception")
 
     def note_finding(self, f) -> None:
         """A probe's finding, kept with the step it names; one >= error freezes a bundle."""
         self.ring.write({"k": "finding", "probe": f.probe, "severity": f.severity, "kind": f.kind,
                          "step": f.step, "request_id": f.request_id, "page": f.page, "message": f.message})
-        if f.severity in ("error", "critical"):
+        if f.severity in ("error", "critical") and f.kind not in self._frozen_kinds:
+            self._frozen_kinds.add(f.kind)            # one bundle per kind: a storm of one bug is one incident
             self.freeze(f"finding-{f.kind}")
 
     def freeze(self, reason: str = "on-demand") -> str:

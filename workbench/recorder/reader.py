@@ -55,14 +55,125 @@ class Recording:
         """The recorded events in an EventLog, as the live engine's would hold them."""
         from ..events import EventLog
         log = EventLog(max_rows=None)
+        self.names: dict[int, str] = {}          # vLLM's request ids are strings: numbered for the pool views
+        index: dict = {}
         for name, fields in self.events:
             t = EVENT_BY_NAME[name]
-            log.record(t(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
+            kw = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+            rid = kw.get("request_id")
+            if rid is not None and not isinstance(rid, int):
+                if rid not in index:
+                    index[rid] = len(index)
+                    self.names[index[rid]] = rid
+                kw["request_id"] = index[rid]
+            log.record(t(**kw))
         return log
 
     def time_travel(self):
         from ..trace.timetravel import TimeTravel
         return TimeTravel(self.event_log(), self.num_blocks)
+
+    def engine_config(self, **overrides):
+        """An EngineConfig with what the recording ran with: block size, pool size, batching limits,
+        prefix caching (overrides win)."""
+        from ..engine import EngineConfig
+        h = self.header
+        kw = {"page_size": self.block_size, "num_pages": self.num_blocks or None}
+        for k in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+            if h.get(k) is not None:
+                kw[k] = h[k]
+        kw.update(overrides)
+        return EngineConfig(**kw)
+
+    def replay(self, target=None, mode: str = "simulate", **kw):
+        """The recorded requests through our engine (`full`, target: an Engine or Workbench built with
+        engine_config()) or the simulator (`simulate`, the default), with the recorded settings, on the
+        trace replayer's virtual clock (arrival times)."""
+        from ..trace.replaying import replay
+        return replay(self.trace(), target if target is not None else self.engine_config(), mode,
+                      progress=kw.pop("progress", False), **kw)
+
+    def replay_steps(self, engine, max_steps: int | None = None):
+        """The recorded requests through `engine` (an Engine or a Workbench on one) step-synchronously:
+        each is added before the step it arrived at in the recording, with its own prompt and sampling,
+        so a correct engine with the recorded settings repeats the recorded schedule step for step
+        (compare() names the first step where it does not). Returns the replay's EventLog."""
+        from ..engine.sequence import SamplingParams
+        from ..events import EventLog
+        eng = getattr(engine, "engine", engine)
+        log = EventLog(eng.bus, max_rows=None)
+        todo = sorted(self.requests, key=lambda r: (r.get("step", 0), r.get("arrival_s", 0.0)))
+        if any(r.get("prompt_token_ids") is None for r in todo):
+            raise RecordingError(f"{self.path}: recorded with privacy on (no token ids): replay it with "
+                                 f"replay(mode='simulate'), which keeps the prefix sharing")
+        fields = set(SamplingParams.__dataclass_fields__)
+        i, limit = 0, max_steps or 10 * (len(self.events) + len(todo) + 10)
+        while (i < len(todo) or eng.has_unfinished()) and eng.step_count < limit:
+            while i < len(todo) and todo[i].get("step", 0) <= eng.step_count:
+                r = todo[i]
+                sp = {k: v for k, v in (r.get("sampling") or {}).items() if k in fields}
+                sp["max_tokens"] = r.get("output_len") or 16
+                if "stop_token_ids" in sp:
+                    sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+                eng.add_request(r["prompt_token_ids"], SamplingParams(**sp), request_id=r.get("id"))
+                i += 1
+            eng.step()
+        log.detach()
+        return log
+
+    def compare(self, result, engine=None) -> dict | None:
+        """Recorded vs replayed, step by step: the first step where the schedules (tokens, running,
+        waiting, preemptions) or the pools (pages in use) part, or None when they never do. With the
+        replaying `engine` (or the simulator), it also says whether the settings differ (a config
+        difference explains the parting) or not (then look for a bug)."""
+        out = self._first_parting(result)
+        if out is not None and engine is not None:
+            cfg = getattr(getattr(engine, "engine", engine), "config", None)
+            recorded = {"page_size": self.block_size, "num_pages": self.num_blocks,
+                        **{k: self.header.get(k) for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                          "enable_prefix_caching")}}
+            diff = {k: (v, getattr(cfg, k, None)) for k, v in recorded.items()
+                    if v is not None and getattr(cfg, k, None) is not None and getattr(cfg, k) != v}
+            out["config_differs"] = diff
+            out["said"] += ("; the settings differ (" + ", ".join(f"{k} recorded {a} vs replayed {b}"
+                                                                  for k, (a, b) in diff.items())
+                            + "): a config difference" if diff else
+                            "; the settings are the same: a difference in the engine (a bug, or a change)")
+        return out
+
+    def _first_parting(self, result) -> dict | None:
+        rec = [f for n, f in self.events if n == "StepFinished"]
+        if hasattr(result, "frame") and not hasattr(result, "steps"):          # an EventLog (replay_steps)
+            df = result.frame("StepFinished")
+            rep = df.to_dict("records") if len(df) else []
+        else:
+            rep = result.steps.to_dict("records") if hasattr(result.steps, "to_dict") else list(result.steps)
+        cols = (("num_tokens", "num_tokens"), ("num_running", "num_running"), ("num_waiting", "num_waiting"),
+                ("num_preemptions", "num_preemptions"), ("pages_used", "pages_used"))
+        for a, b in zip(rec, rep):
+            diff = {k: (a.get(ka), b.get(kb)) for k, (ka, kb) in zip((c[0] for c in cols), cols)
+                    if a.get(ka) is not None and b.get(kb) is not None and int(a[ka]) != int(b[kb])}
+            if diff:
+                return {"step": int(a["step"]), "differs": diff,
+                        "said": f"step {a['step']}: " + ", ".join(f"{k} recorded {x} vs replayed {y}"
+                                                                  for k, (x, y) in diff.items())}
+        if len(rec) != len(rep):
+            n = min(len(rec), len(rep))
+            return {"step": n + 1, "differs": {"steps": (len(rec), len(rep))},
+                    "said": f"after step {n}: {len(rec)} steps recorded, {len(rep)} replayed"}
+        return None
+
+    def findings_frame(self):
+        """The recorded findings in the workbench's findings columns."""
+        import pandas as pd
+        from ..findings import COLUMNS
+        return pd.DataFrame(self.findings).reindex(columns=COLUMNS)
+
+    def dashboard(self, **kw):
+        """The page map, timelines and findings over the recorded pool, scrubbable (not live)."""
+        from ..widgets.dashboard import Dashboard
+        kw.setdefault("title", f"recording: {self.path.name} ({self.header.get('writer', '?')})")
+        return Dashboard(self.event_log(), self.num_blocks, findings=self.findings_frame(), live=False, **kw)
 
     def frame(self, what: str = "requests"):
         import pandas as pd

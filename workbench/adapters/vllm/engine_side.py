@@ -55,6 +55,7 @@ class PoolWatch:
         self.stall_said: set[str] = set()
         self.saturated_at = 0                         # the last step the scheduler had no seat or budget left
         self.crc: dict[tuple[str, int], tuple[int, int]] = {}   # (request, group) -> (blocks digested, digest)
+        self.recorder = None                          # the flight recorder (recording.py), in this process
 
     def _new_ledger(self, scheduler) -> None:
         pool = scheduler.kv_cache_manager.block_pool
@@ -74,6 +75,15 @@ class PoolWatch:
         path = (f"EngineCore.step_with_batch_queue, batch queue size {size}, {name}" if size > 1
                 else f"EngineCore.step, synchronous, {name}")
         self.rules, reason = group_rules(scheduler)
+        if self.s.record_dir and self.recorder is None:
+            try:
+                from .recording import VllmRecorder
+                rec = VllmRecorder(self.s)
+                rec.start(scheduler)
+                self.recorder = rec
+                self.rep.on_finding = rec.note_finding
+            except Exception as e:                    # a recorder that cannot start leaves the checks on
+                st.problem(f"flight recorder not started: {type(e).__name__}: {e} ({self.s.record_dir})")
         self.rep.status(st.CheckStatus(st.CHECK_POOL, True, "Scheduler.schedule + Scheduler.update_from_output",
                                        path, reason))
 
@@ -83,6 +93,11 @@ class PoolWatch:
             self._new_ledger(scheduler)
         d = self.ledger.apply(so)
         self.touched |= d.touched()
+        if self.recorder is not None:
+            try:
+                self.recorder.on_schedule(scheduler, so, d, self.ledger.steps)
+            except Exception as e:
+                self.rep.error("flight recorder", e)
         for rid in d.released:
             for g in range(len(self.rules)):
                 self.crc.pop((rid, g), None)
@@ -106,6 +121,11 @@ class PoolWatch:
         step_s = None if t0 is None else now - t0
         self.step += 1
         self.since_check = 0
+        if self.recorder is not None:
+            try:
+                self.recorder.on_update(scheduler, so, self.ledger.steps if self.ledger else self.step, step_s)
+            except Exception as e:
+                self.rep.error("flight recorder", e)
         idle = not scheduler.requests
         if self.step % self.s.pool_every and not idle:
             return
@@ -284,6 +304,8 @@ class PoolWatch:
             d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
                                    + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
             self.touched |= d.touched()
+            if self.recorder is not None and d.released:
+                self.recorder.on_release(scheduler, d, self.ledger.steps)
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         pins = self._pins(scheduler, kvm)
         full = deferred is not None or self.checks % self.s.full_every == 0

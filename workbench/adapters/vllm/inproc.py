@@ -73,17 +73,21 @@ def prompts(n: int, shared: int = 70, seed: int = 0, differ_at: int | None = Non
 
 
 def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | None = None,
-        max_steps: int = 100_000, stagger: int = 0) -> dict:
-    """Add the requests (one every `stagger` steps, or all at once), step until all are done;
-    abort {request id: after this many steps}."""
+        max_steps: int = 100_000, stagger: int = 0, at: dict | None = None, lengths: dict | None = None) -> dict:
+    """Add the requests (one every `stagger` steps, or all at once; `at`: {request id: the step to
+    add it before}, a recording's schedule), step until all are done; abort {request id: after this
+    many steps}; lengths {request id: max tokens} overrides max_tokens."""
     pending = list(reqs)
+    lengths = lengths or {}
 
     def add(n):
         for rid, ids in pending[:n]:
-            r, wave = core.preprocess_add_request(request(rid, ids, max_tokens))
+            r, wave = core.preprocess_add_request(request(rid, ids, lengths.get(rid, max_tokens)))
             core.add_request(r, wave)
         del pending[:n]
-    add(1 if stagger else len(pending))
+    if at is not None:
+        pending.sort(key=lambda x: at.get(x[0], 0))
+    add(sum(1 for rid, _ in pending if at.get(rid, 0) <= 1) if at is not None else 1 if stagger else len(pending))
     outputs: dict[str, list[int]] = {rid: [] for rid, _ in reqs}
     logprobs: dict[str, list[float]] = {rid: [] for rid, _ in reqs}      # of each sampled token
     finished: dict[str, str] = {}
@@ -92,7 +96,9 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
     steps = 0
     abort = dict(abort or {})
     while (core.scheduler.has_requests() or core.batch_queue or pending) and steps < max_steps:
-        if pending and steps % stagger == 0 and steps:
+        if pending and at is not None:
+            add(sum(1 for rid, _ in pending if at.get(rid, 0) <= steps + 1))
+        elif pending and steps % stagger == 0 and steps:
             add(1)
         for rid, after in list(abort.items()):
             if steps >= after:
@@ -150,6 +156,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the step's token budget: below a prompt's length, prefills are chunked")
     ap.add_argument("--shared", type=int, default=70, help="tokens of prefix all prompts share")
+    ap.add_argument("--trace", default=None, metavar="RECORDING",
+                    help="the requests of a flight recording or repro bundle instead, each added before the "
+                         "step it was first scheduled at, with its recorded prompt and max tokens")
     ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
     ap.add_argument("--serve", action="store_true", help="run rounds asked for on stdin (serve())")
     a = ap.parse_args(argv)
@@ -166,8 +175,15 @@ def main(argv=None) -> None:
         core.shutdown()
         return
     reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, shared=a.shared, differ_at=a.differ_at))]
+    at = lengths = None
+    if a.trace:
+        from workbench.recorder.reader import open_recording
+        recorded = open_recording(a.trace).requests
+        reqs = [(str(r["id"]), r["prompt_token_ids"]) for r in recorded]
+        at = {str(r["id"]): int(r.get("step", 1)) for r in recorded}
+        lengths = {str(r["id"]): int(r.get("output_len") or a.max_tokens) for r in recorded}
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
-    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps)
+    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps, at=at, lengths=lengths)
     pool = core.scheduler.kv_cache_manager.block_pool
     # the pool after the run, read directly: a fault that corrupts it shows here whatever the checks say
     res.update(num_free_after=pool.get_num_free_blocks(), min_ref_cnt=min(b.ref_cnt for b in pool.blocks if not b.is_null),

@@ -57,9 +57,22 @@ class Delta:
     removed: set[int] = field(default_factory=set)    # blocks a finished / preempted request let go
     released: dict[str, list[int]] = field(default_factory=dict)   # request -> blocks it let go
     edge: set[int] = field(default_factory=set)       # scheduled requests' oldest blocks still in a window
+    freed: set[int] = field(default_factory=set)      # released blocks no request holds any more (then)
 
     def touched(self) -> set[int]:
         return self.added | self.removed | self.edge
+
+
+def cached_rows(so):
+    """(request, its new block ids per group or None, computed tokens, resumed?) for each running or
+    resumed request of a SchedulerOutput (CachedRequestData's parallel lists, read by index)."""
+    c = getattr(so, "scheduled_cached_reqs", None)
+    if c is None:
+        return
+    resumed = set(getattr(c, "resumed_req_ids", None) or ())
+    for i, rid in enumerate(c.req_ids):
+        new = c.new_block_ids[i] if i < len(c.new_block_ids) else None
+        yield rid, new, int(c.num_computed_tokens[i]), rid in resumed
 
 
 class BlockLedger:
@@ -141,6 +154,9 @@ class BlockLedger:
             f = e.floor[g] if g < len(e.floor) else 0
             self._count(self.optional, ids[:f], -1)
             self._count(self.counts, ids[f:], -1)
+        if self.counts is not None:
+            n = len(self.counts)
+            delta.freed.update(b for b in blocks if 0 <= b < n and self.counts[b] + self.optional[b] <= 0)
 
     def apply(self, so) -> Delta:
         """One SchedulerOutput, in the order vLLM's workers apply it."""
@@ -159,23 +175,19 @@ class BlockLedger:
             e.processed = e.computed           # its prefix hit: done before any step
             after[nr.req_id] = e.computed + e.scheduled
             self._advance(e, d)
-        c = getattr(so, "scheduled_cached_reqs", None)
-        if c is not None:
-            resumed = set(getattr(c, "resumed_req_ids", None) or ())
-            for i, rid in enumerate(c.req_ids):
-                new = c.new_block_ids[i] if i < len(c.new_block_ids) else None
-                if rid in resumed:
-                    self._map(rid, new or (), d, replace=True)
-                elif new:
-                    self._map(rid, new, d, replace=False)
-                e = self.reqs.get(rid)
-                if e is None:                  # a running request the ledger never saw added
-                    e = self.reqs[rid] = Entry([])
-                e.computed, e.scheduled = int(c.num_computed_tokens[i]), int(sched.get(rid, 0))
-                if rid in resumed:
-                    e.processed = e.computed
-                after[rid] = e.computed + e.scheduled
-                self._advance(e, d)
+        for rid, new, computed, is_resumed in cached_rows(so):
+            if is_resumed:
+                self._map(rid, new or (), d, replace=True)
+            elif new:
+                self._map(rid, new, d, replace=False)
+            e = self.reqs.get(rid)
+            if e is None:                  # a running request the ledger never saw added
+                e = self.reqs[rid] = Entry([])
+            e.computed, e.scheduled = computed, int(sched.get(rid, 0))
+            if is_resumed:
+                e.processed = e.computed
+            after[rid] = e.computed + e.scheduled
+            self._advance(e, d)
         if self.rules and any(r.kind not in ("full", "unmodelled") for r in self.rules):
             self._after[id(so)] = after
             while len(self._after) > 64:       # outputs whose results never came back: bounded

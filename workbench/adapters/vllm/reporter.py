@@ -27,6 +27,7 @@ class Reporter:
         self.statuses: dict[str, st.CheckStatus] = {}
         self._status_sent = 0.0
         self._ticker: threading.Thread | None = None
+        self.on_finding = None                 # callable(finding dict): the flight recorder, where one runs
 
     def _publisher(self):
         if self.pub is None and self.address and not self.broken:
@@ -86,6 +87,11 @@ class Reporter:
                 self.reported.clear()
             self.reported.add(k)
             self.send(b"finding", f)
+            if self.on_finding is not None:          # the flight recorder (engine core process)
+                try:
+                    self.on_finding(f)
+                except Exception as e:
+                    st.problem(f"flight recorder: {type(e).__name__}: {e}")
             if f.get("severity") in ("error", "warn"):
                 st.log.warning("PagedKV Workbench %s %s [%s]: %s", f.get("probe"), f.get("severity"),
                                f.get("kind"), f.get("message"))

@@ -14,6 +14,12 @@ the variable, the value and what was used instead) and the default is kept.
                              has room for it is `stalled`                             default 256
   PAGEDKV_VLLM_STALL_AFTER_S and for at least this many seconds (an idle engine steps fast)  default 10
   PAGEDKV_VLLM_FAULT_FILE    a JSON file naming faults to plant (tests, notebooks; faults.py)
+  PAGEDKV_RECORD             the flight recorder (recording.py), on with the plugin; 0 / off / false
+                             turns it off                                             default on
+  PAGEDKV_RECORD_DIR         where recordings go, one directory per engine core process
+                                        default ~/.cache/pagedkv-workbench/recordings (XDG_CACHE_HOME)
+  PAGEDKV_RECORD_MAX_MB      the ring's size cap per process, oldest segment out first    default 256
+  PAGEDKV_RECORD_PRIVACY     1: prompt lengths and per-block digests, no token ids        default 0
 """
 from __future__ import annotations
 
@@ -28,6 +34,10 @@ ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
 ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
 ENV_STALL_AFTER = "PAGEDKV_VLLM_STALL_AFTER"
 ENV_STALL_AFTER_S = "PAGEDKV_VLLM_STALL_AFTER_S"
+ENV_RECORD = "PAGEDKV_RECORD"
+ENV_RECORD_DIR = "PAGEDKV_RECORD_DIR"
+ENV_RECORD_MAX_MB = "PAGEDKV_RECORD_MAX_MB"
+ENV_RECORD_PRIVACY = "PAGEDKV_RECORD_PRIVACY"
 
 
 @dataclass
@@ -40,6 +50,9 @@ class Settings:
     stall_after: int = 256
     stall_after_s: int = 10
     fault_file: str | None = None
+    record_dir: str | None = None         # None: the flight recorder is off
+    record_max_mb: int = 256
+    record_privacy: bool = False
     problems: list[str] = field(default_factory=list)
 
 
@@ -92,4 +105,9 @@ def read(env=None) -> Settings:
     s.stall_after = _whole(env, ENV_STALL_AFTER, 256, s.problems)
     s.stall_after_s = _whole(env, ENV_STALL_AFTER_S, 10, s.problems, low=0)
     s.fault_file = env.get(ENV_FAULT_FILE) or None
+    if str(env.get(ENV_RECORD, "1")).strip().lower() not in ("0", "off", "false", "no"):
+        cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        s.record_dir = env.get(ENV_RECORD_DIR) or os.path.join(cache, "pagedkv-workbench", "recordings")
+    s.record_max_mb = _whole(env, ENV_RECORD_MAX_MB, 256, s.problems)
+    s.record_privacy = str(env.get(ENV_RECORD_PRIVACY, "0")).strip().lower() in ("1", "on", "true", "yes")
     return s

@@ -1,0 +1,202 @@
+"""The flight recorder inside vLLM: on whenever the plugin is, in the engine core process.
+
+Everything comes from what the plugin already sees at `Scheduler.schedule` and
+`Scheduler.update_from_output` (no further hook, nothing read from the workers):
+
+  request   a new request's id, the step it was first scheduled, arrival (seconds since the
+            recording began, from vLLM's own arrival_time), prompt token ids (PAGEDKV_RECORD_PRIVACY:
+            its length and per-block digests), max tokens and sampling
+  ev        the pool in the workbench's event schema, so TimeTravel rebuilds it: PagesShared for a
+            new or resumed request's prefix-cache hit blocks, PagesAllocated for blocks newly mapped,
+            PagesFreed when a finished or preempted request lets go (pages whose ref_cnt is 0 then,
+            those that keep their prefix hash, those others still hold), StepFinished per step
+            (scheduled tokens, running, waiting, blocks in use, preemptions, step time)
+  step      per step, the tokens scheduled per request and the preempted ids
+  finding   the plugin's findings on this process; one >= error freezes a repro bundle, and so do
+            SIGUSR1 and SIGTERM (then vLLM's own handler runs) and `kvwb dump DIR`
+
+The recorded pool follows the SchedulerOutputs: blocks a sliding window frees mid-request are not
+in it (vLLM does not tell the workers either). One directory per engine core process,
+`vllm-<pid>-<time>` under PAGEDKV_RECORD_DIR; the path is logged at start-up.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from workbench.recorder.bundle import freeze
+from workbench.recorder.ring import SegmentRing
+
+from . import status as st
+from .ledger import cached_rows
+
+
+class VllmRecorder:
+    def __init__(self, settings):
+        self.s = settings
+        self.ring: SegmentRing | None = None
+        self.seen: set[str] = set()
+        self.bundles: list[str] = []
+        self.preemptions = 0
+        self._t0_wall = time.time()
+        self._frozen_kinds: set = set()
+        self._steps: dict[int, int] = {}         # id(SchedulerOutput) -> its step (the batch queue overlaps them)
+
+    # ---- start -------------------------------------------------------------------------------
+    def start(self, scheduler) -> None:
+        root = os.path.join(self.s.record_dir, f"vllm-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}")
+        cfg = getattr(scheduler, "vllm_config", None)
+        sc = getattr(cfg, "scheduler_config", None)
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        try:
+            import vllm
+            version = getattr(vllm, "__version__", "?")
+        except Exception:
+            version = "?"
+        header = {"writer": "vllm plugin", "vllm": version, "model": str(getattr(getattr(cfg, "model_config", None),
+                                                                                 "model", "?")),
+                  "block_size": int(scheduler.block_size),
+                  "num_blocks": len(scheduler.kv_cache_manager.block_pool.blocks),
+                  "kv_cache_groups": [type(g.kv_cache_spec).__name__ for g in groups],
+                  "max_num_seqs": getattr(sc, "max_num_seqs", None),
+                  "max_num_batched_tokens": getattr(sc, "max_num_batched_tokens", None),
+                  "enable_prefix_caching": bool(getattr(getattr(cfg, "cache_config", None), "enable_prefix_caching",
+                                                        True)),
+                  "privacy": self.s.record_privacy, "pid": os.getpid()}
+        self.ring = SegmentRing(root, header, max_bytes=self.s.record_max_mb * 2**20)
+        st.log.info("PagedKV Workbench flight recorder: %s (cap %d MB; kvwb dump %s freezes a bundle)", root,
+                    self.s.record_max_mb, root)
+        self._signals()
+
+    def _signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return                                   # handlers can be set from the main thread only
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                prev = signal.getsignal(sig)
+
+                def handler(signum, frame, _prev=prev):
+                    self.freeze(signal.Signals(signum).name)
+                    if callable(_prev):
+                        _prev(signum, frame)
+                    elif _prev == signal.SIG_DFL and signum == signal.SIGTERM:
+                        signal.signal(signum, signal.SIG_DFL)
+                        os.kill(os.getpid(), signum)
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    # ---- the step ----------------------------------------------------------------------------
+    def on_schedule(self, scheduler, so, delta, step: int) -> None:
+        """delta: the ledger's Delta for this output (who let go of what, which blocks nobody holds)."""
+        w = self.ring.write
+        self._steps[id(so)] = step
+        while len(self._steps) > 64:
+            self._steps.pop(next(iter(self._steps)))
+        pool = scheduler.kv_cache_manager.block_pool
+        null = getattr(getattr(pool, "null_block", None), "block_id", None)
+        t_ns = time.time_ns()
+        self.on_release(scheduler, delta, step)
+        bs = [int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups]
+        fresh = [(nr.req_id, nr.block_ids, int(nr.num_computed_tokens)) for nr in
+                 getattr(so, "scheduled_new_reqs", None) or ()]
+        for rid, new, computed, resumed in cached_rows(so):
+            if resumed:
+                fresh.append((rid, new or (), computed))
+            elif new:
+                pages = [b for ids in new for b in ids if b != null]
+                if pages:
+                    w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
+                       "generations": [], "request_id": rid})
+        for rid, groups, computed in fresh:
+            hits, new = [], []
+            for g, ids in enumerate(groups or ()):
+                k = computed // bs[g] if g < len(bs) else 0
+                hits += [b for b in ids[:k] if b != null]
+                new += [b for b in ids[k:] if b != null]
+            if hits:
+                w({"k": "ev", "e": "PagesShared", "step": step, "t_ns": t_ns, "pages": hits, "request_id": rid})
+            if new:
+                w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": new, "generations": [],
+                   "request_id": rid})
+            if rid not in self.seen:
+                self.seen.add(rid)
+                self._request(scheduler, rid, step)
+        self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
+        w({"k": "step", "step": step, "scheduled": dict(getattr(so, "num_scheduled_tokens", None) or {}),
+           "preempted": sorted(getattr(so, "preempted_req_ids", None) or ())})
+
+    def on_release(self, scheduler, delta, step: int) -> None:
+        """Requests that let go of their blocks (finished, aborted, preempted): the ledger says which
+        blocks nobody holds any more, the pool which of those keep their prefix hash."""
+        blks = scheduler.kv_cache_manager.block_pool.blocks
+        t_ns = time.time_ns()
+        for rid, blocks in delta.released.items():
+            gone = [b for b in blocks if b in delta.freed]
+            self.ring.write({"k": "ev", "e": "PagesFreed", "step": step, "t_ns": t_ns, "pages": gone,
+                             "request_id": rid,
+                             "cached": [b for b in gone if 0 <= b < len(blks) and blks[b].block_hash is not None],
+                             "still_shared": [b for b in blocks if b not in delta.freed]})
+
+    def _request(self, scheduler, rid: str, step: int) -> None:
+        req = scheduler.requests.get(rid)
+        if req is None:
+            return
+        sp = getattr(req, "sampling_params", None)
+        ids = list(getattr(req, "prompt_token_ids", None) or ())
+        rec = {"k": "request", "id": rid, "step": step,
+               "arrival_s": round(max(float(getattr(req, "arrival_time", self._t0_wall)) - self._t0_wall, 0.0), 6),
+               "output_len": getattr(sp, "max_tokens", None),
+               "sampling": {k: getattr(sp, k) for k in ("temperature", "top_p", "top_k", "ignore_eos", "seed")
+                            if sp is not None and hasattr(sp, k)}}
+        if self.s.record_privacy:
+            from probes.provenance import chain
+            bs = int(scheduler.block_size)
+            rec.update(prompt_len=len(ids), hash_ids=chain(ids, bs, len(ids) // bs), hash_block_size=bs)
+        else:
+            rec["prompt_token_ids"] = ids
+        self.ring.write(rec)
+        if len(self.seen) > 1_000_000:
+            self.seen.clear()
+
+    def on_update(self, scheduler, so, step: int, step_s: float | None) -> None:
+        step = self._steps.pop(id(so), step)
+        pool = scheduler.kv_cache_manager.block_pool
+        n = len(pool.blocks)
+        running = len(scheduler.running)
+        sched = getattr(so, "num_scheduled_tokens", None) or {}
+        self.ring.write({"k": "ev", "e": "StepFinished", "step": step, "t_ns": time.time_ns(),
+                         "duration_ns": int((step_s or 0.0) * 1e9), "num_tokens": int(sum(sched.values())),
+                         "num_seqs": len(sched), "num_prefill_tokens": 0, "num_decode_tokens": 0, "bytes_weights": 0,
+                         "bytes_kv_read": 0, "bytes_kv_written": 0, "pages_used": n - pool.get_num_free_blocks(),
+                         "pages_cached": 0, "num_running": running, "num_waiting": len(scheduler.requests) - running,
+                         "num_preemptions": self.preemptions})
+        self.ring.flush()
+
+    # ---- findings and dumps ------------------------------------------------------------------
+    def note_finding(self, f: dict) -> None:
+        if self.ring is None:
+            return
+        self.ring.write({"k": "finding", **{k: f.get(k) for k in ("probe", "severity", "kind", "step", "request_id",
+                                                                  "page", "message")}})
+        if f.get("severity") == "error" and f.get("kind") not in self._frozen_kinds:
+            self._frozen_kinds.add(f.get("kind"))    # one bundle per kind: a storm of one bug is one incident
+            self.freeze(f"finding-{f.get('kind')}")
+
+    def freeze(self, reason: str) -> str | None:
+        if self.ring is None:
+            return None
+        try:
+            path = str(freeze(self.ring, reason))
+        except OSError as e:
+            st.problem(f"flight recorder: could not freeze a bundle ({e})")
+            return None
+        self.bundles.append(path)
+        st.log.warning("PagedKV Workbench: repro bundle frozen (%s): %s", reason, path)
+        return path
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
