@@ -172,6 +172,9 @@ def test_a_finding_freezes_a_bundle_that_replays_into_the_same_finding(sharp_lla
     part = bundle.compare(bundle.replay_steps(eng3), engine=eng3)
     assert part["step"] == 1 and part["config_differs"] == {"max_num_batched_tokens": (2048, 16)}
     assert "a config difference" in part["said"]
+    side = bundle.side_by_side(bundle.replay_steps(
+        Engine.from_pretrained(sharp_llama_dir, bundle.engine_config(max_num_batched_tokens=16))))
+    assert bool(side.parts.iloc[0]) and side.num_tokens_recorded.iloc[0] > side.num_tokens_replayed.iloc[0] == 16
 
 
 def test_an_exception_in_a_step_freezes_a_bundle_and_still_raises(sharp_llama_dir, tmp_path):

@@ -55,6 +55,13 @@ def test_the_recorder_keeps_vllms_requests_and_pool_and_they_replay(hybrid, tmp_
     assert all(len(q["prompt_token_ids"]) > 70 and q["output_len"] == 40 for q in rec.requests)
     steps = [f for n, f in rec.events if n == "StepFinished"]
     assert len(steps) == r.result["steps"] and max(s["num_running"] for s in steps) >= 2
+    # each request's blocks per KV cache group over its life: the full-attention group holds one block per
+    # 32 tokens computed (prompt + 39: the last token sampled is never fed back)
+    for q in rec.requests:
+        window, full = rec.blocks_of(q["id"])
+        n = len(q["prompt_token_ids"]) + 39
+        assert len(full) == -(-n // 32) and len(window) == len(full), (q["id"], len(window), len(full), n)
+        assert len(set(full)) == len(full) and 0 not in full     # the null block only pads a window's hit
     # the recorded pool, scrubbed: blocks owned and shared (the 70-token prefix) mid-run, all back at the end
     tt = rec.time_travel()
     mid = tt.state_at(steps[len(steps) // 2]["step"]).counts()

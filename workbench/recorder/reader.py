@@ -28,6 +28,7 @@ class Recording:
     events: list[tuple[str, dict]] = field(default_factory=list)      # (event type name, fields), in order
     findings: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)                   # vLLM recordings: one row per step
+    blocks: list[dict] = field(default_factory=list)                  # vLLM: block ids per KV group as sent
     segments: list[str] = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -141,13 +142,16 @@ class Recording:
                             "; the settings are the same: a difference in the engine (a bug, or a change)")
         return out
 
-    def _first_parting(self, result) -> dict | None:
-        rec = [f for n, f in self.events if n == "StepFinished"]
+    @staticmethod
+    def _replayed_steps(result) -> list[dict]:
         if hasattr(result, "frame") and not hasattr(result, "steps"):          # an EventLog (replay_steps)
             df = result.frame("StepFinished")
-            rep = df.to_dict("records") if len(df) else []
-        else:
-            rep = result.steps.to_dict("records") if hasattr(result.steps, "to_dict") else list(result.steps)
+            return df.to_dict("records") if len(df) else []
+        return result.steps.to_dict("records") if hasattr(result.steps, "to_dict") else list(result.steps)
+
+    def _first_parting(self, result) -> dict | None:
+        rec = [f for n, f in self.events if n == "StepFinished"]
+        rep = self._replayed_steps(result)
         cols = (("num_tokens", "num_tokens"), ("num_running", "num_running"), ("num_waiting", "num_waiting"),
                 ("num_preemptions", "num_preemptions"), ("pages_used", "pages_used"))
         for a, b in zip(rec, rep):
@@ -162,6 +166,37 @@ class Recording:
             return {"step": n + 1, "differs": {"steps": (len(rec), len(rep))},
                     "said": f"after step {n}: {len(rec)} steps recorded, {len(rep)} replayed"}
         return None
+
+    def blocks_of(self, request, step: int | None = None) -> list[list[int]]:
+        """A request's block ids per KV cache group at `step` (default: the last recorded), rebuilt from
+        what crossed to the workers: whole lists when it was scheduled new or resumed, appends after."""
+        out: list[list[int]] = []
+        for r in self.blocks:
+            if r.get("request_id") != request or (step is not None and r.get("step", 0) > step):
+                continue
+            groups = r.get("groups") or []
+            if r.get("replace"):
+                out = [list(g) for g in groups]
+            else:
+                while len(out) < len(groups):
+                    out.append([])
+                for g, ids in enumerate(groups):
+                    out[g].extend(ids)
+        return out
+
+    def side_by_side(self, result):
+        """Recorded and replayed steps in one DataFrame (tokens, running, waiting, preemptions, blocks in
+        use), with a `parts` column marking the steps where they differ."""
+        import pandas as pd
+        cols = ["num_tokens", "num_running", "num_waiting", "num_preemptions", "pages_used"]
+        rec = pd.DataFrame([f for n, f in self.events if n == "StepFinished"]).reindex(columns=["step", *cols])
+        rep = self._replayed_steps(result)
+        rep = pd.DataFrame(rep).reindex(columns=["step", *cols]) if rep else pd.DataFrame(columns=["step", *cols])
+        df = rec.merge(rep, on="step", how="outer", suffixes=("_recorded", "_replayed")).sort_values("step")
+        df["parts"] = False
+        for c in cols:
+            df["parts"] |= df[f"{c}_recorded"].ne(df[f"{c}_replayed"])
+        return df.reset_index(drop=True)
 
     def findings_frame(self):
         """The recorded findings in the workbench's findings columns."""
@@ -181,9 +216,11 @@ class Recording:
             return pd.DataFrame(self.requests)
         if what == "findings":
             return pd.DataFrame(self.findings)
+        if what == "blocks":
+            return pd.DataFrame(self.blocks)
         if what == "steps":
             return pd.DataFrame(self.steps or [f for n, f in self.events if n == "StepFinished"])
-        raise ValueError(f"frame({what!r}): one of 'requests', 'findings', 'steps'")
+        raise ValueError(f"frame({what!r}): one of 'requests', 'findings', 'steps', 'blocks'")
 
 
 def is_recording(path) -> bool:
@@ -246,6 +283,8 @@ def open_recording(path, strict: bool = False) -> Recording:
                 rec.findings.append(obj)
             elif kind == "step":
                 rec.steps.append(obj)
+            elif kind == "blocks":
+                rec.blocks.append(obj)
             else:
                 bad(f"{seg}:{i}: unknown record kind {kind!r}", "unknown_records")
         if header is None and seg.name not in rec.segments and not any(str(seg) in p for p in rec.problems):

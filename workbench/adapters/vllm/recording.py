@@ -11,6 +11,8 @@ Everything comes from what the plugin already sees at `Scheduler.schedule` and
             PagesFreed when a finished or preempted request lets go (pages whose ref_cnt is 0 then,
             those that keep their prefix hash, those others still hold), StepFinished per step
             (scheduled tokens, running, waiting, blocks in use, preemptions, step time)
+  blocks    a request's block ids per KV cache group as they cross to the workers (whole lists for a
+            new or resumed request, appended ids after): Recording.blocks_of() replays its life
   step      per step, the tokens scheduled per request and the preempted ids
   finding   the plugin's findings on this process; one >= error freezes a repro bundle, and so do
             SIGUSR1 and SIGTERM (then vLLM's own handler runs) and `kvwb dump DIR`
@@ -110,6 +112,8 @@ class VllmRecorder:
                 if pages:
                     w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
                        "generations": [], "request_id": rid})
+                    w({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in new],
+                       "replace": False})
         for rid, groups, computed in fresh:
             hits, new = [], []
             for g, ids in enumerate(groups or ()):
@@ -121,6 +125,9 @@ class VllmRecorder:
             if new:
                 w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": new, "generations": [],
                    "request_id": rid})
+            # the request's own block list per KV cache group, whole (null blocks included, as vLLM has it)
+            w({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in groups or ()],
+               "replace": True, "computed": computed})
             if rid not in self.seen:
                 self.seen.add(rid)
                 self._request(scheduler, rid, step)

@@ -1,0 +1,91 @@
+"""The two sides of a divergence triage, behind one interface.
+
+A side runs prompts and says, per output position, the log-prob of a given token and its own top
+tokens. `run(prompts, max_tokens, forced=None)`: greedy when `forced` is None (the side's own
+tokens), else teacher-forced on `forced[i]` (the other side's tokens), through the side's real
+serving path, so that a paged-KV bug corrupts what it reads exactly as in production:
+
+  EngineSide  our Engine: SamplingParams(logprobs=k, forced_token_ids=...) through add_request and
+              step (pages, prefix cache, batching and all); `batch` and `order` choose the batch
+              compositions the noise floor is measured over
+  HFSide      a Hugging Face model directory (transformers): one dense forward over prompt + tokens,
+              float32, no cache: the reference
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]                  # per prompt, the output tokens (the forced ones when forced)
+    logprob: list[np.ndarray]                # per prompt, per position: log-prob of that token
+    top: list[np.ndarray] = field(default_factory=list)      # per prompt, [positions, k] top token ids
+    top_lp: list[np.ndarray] = field(default_factory=list)   # per prompt, [positions, k] their log-probs
+
+    def margin(self, i: int) -> np.ndarray:
+        """Top-1 minus top-2 log-prob at each position of prompt i (how sure the side was)."""
+        t = self.top_lp[i]
+        return t[:, 0] - t[:, 1] if t.shape[1] > 1 else np.full(len(t), np.inf)
+
+
+class EngineSide:
+    def __init__(self, engine, name: str = "engine", batch: int | None = None, top_k: int = 5):
+        self.engine, self.name, self.batch, self.top_k = engine, name, batch, top_k
+
+    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:
+        from ..engine.sequence import SamplingParams
+        eng = self.engine
+        n = len(prompts)
+        order = list(order) if order is not None else list(range(n))
+        size = batch or self.batch or n
+        out: dict[int, object] = {}
+        for start in range(0, n, size):
+            ids = {}
+            for i in order[start:start + size]:
+                f = tuple(forced[i]) if forced is not None else ()
+                sp = SamplingParams(max_tokens=len(f) if f else max_tokens, ignore_eos=True, logprobs=self.top_k,
+                                    forced_token_ids=f)
+                ids[eng.add_request(prompts[i], sp)] = i
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished and o.request_id in ids:
+                        out[ids[o.request_id]] = o
+        runs = [out[i] for i in range(n)]
+        return Run([list(o.token_ids) for o in runs], [np.asarray([x[0] for x in o.logprobs]) for o in runs],
+                   [np.asarray([x[1] for x in o.logprobs]) for o in runs],
+                   [np.asarray([x[2] for x in o.logprobs]) for o in runs])
+
+
+class HFSide:
+    def __init__(self, path, name: str = "transformers", top_k: int = 5):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.name, self.top_k = name, top_k
+
+    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:
+        import torch
+        toks, lps, tops, top_lps = [], [], [], []
+        for i, p in enumerate(prompts):
+            p = list(p)
+            if forced is None:                      # greedy, one token at a time (no cache: the reference)
+                seq = list(p)
+                for _ in range(max_tokens):
+                    with torch.no_grad():
+                        logits = self.model(torch.tensor([seq])).logits[0, -1]
+                    seq.append(int(logits.argmax()))
+                f = seq[len(p):]
+            else:
+                f = list(forced[i])
+            with torch.no_grad():
+                logits = self.model(torch.tensor([p + f])).logits[0].float()
+            lp = torch.log_softmax(logits[len(p) - 1:len(p) - 1 + len(f)], dim=-1)
+            t = lp.topk(self.top_k, dim=-1)
+            toks.append(f)
+            lps.append(lp[torch.arange(len(f)), torch.tensor(f)].numpy())
+            tops.append(t.indices.numpy())
+            top_lps.append(t.values.numpy())
+        return Run(toks, lps, tops, top_lps)
