@@ -337,6 +337,9 @@ class Engine:
         sampled = [batch.seqs[i] for i in batch.sample_seq_idx]
         if sampled:
             tokens = self.sampler(logits, sampled)
+            if self.sampler.wants_logprobs(sampled):
+                for row, lp in self.sampler.logprobs(logits, sampled, tokens).items():
+                    sampled[row].logprobs.append(lp)
             now = time.perf_counter()
             for seq, tok in zip(sampled, tokens):
                 seq.append_token(tok)
@@ -383,7 +386,7 @@ class Engine:
             finish_reason=seq.finish_reason, num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            _tokenizer=self.tokenizer)
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None, _tokenizer=self.tokenizer)
 
     # ---- convenience ------------------------------------------------------
     def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -21,6 +21,8 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # SamplingParams.logprobs > 0: per output token (log-prob of the token, top-k ids, top-k log-probs)
+    logprobs: list | None = None
     _tokenizer: object = field(default=None, repr=False, compare=False)
     _text: str | None = field(default=None, repr=False, compare=False)
 

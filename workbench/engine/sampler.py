@@ -10,6 +10,33 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list) -> list[int]:
+        tokens = self._sample(logits, seqs)
+        if any(s.params.forced_token_ids for s in seqs):
+            for row, seq in enumerate(seqs):           # teacher forcing: the given token, not the model's
+                f, i = seq.params.forced_token_ids, len(seq.output_token_ids)
+                if i < len(f):
+                    tokens[row] = f[i]
+        return tokens
+
+    @staticmethod
+    def wants_logprobs(seqs: list) -> bool:
+        return any(s.params.logprobs for s in seqs)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, seqs: list, tokens: list[int]) -> dict[int, tuple]:
+        """row -> (log-prob of its token, top-k ids, top-k log-probs) for the rows that ask, from the
+        logits as the model gave them (before temperature), in float32, in one batched op."""
+        rows = [r for r, s in enumerate(seqs) if s.params.logprobs]
+        idx = torch.tensor(rows)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)
+        k = max(seqs[r].params.logprobs for r in rows)
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        chosen = lp[torch.arange(len(rows)), torch.tensor([tokens[r] for r in rows])].tolist()
+        ids, vals = top.indices.tolist(), top.values.tolist()
+        return {r: (chosen[i], ids[i][:seqs[r].params.logprobs], vals[i][:seqs[r].params.logprobs])
+                for i, r in enumerate(rows)}
+
+    def _sample(self, logits: torch.Tensor, seqs: list) -> list[int]:
         greedy = logits.argmax(dim=-1)
         if all(s.params.temperature == 0 for s in seqs):
             return greedy.tolist()

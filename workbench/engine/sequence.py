@@ -21,6 +21,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    logprobs: int = 0                 # per output token: its log-prob and the top-k (k = this); 0: none
+    # Teacher forcing through the serving path: output token i is forced_token_ids[i] whatever the
+    # model prefers (the log-probs stay the model's own). Divergence triage runs one engine on
+    # another's tokens this way, pages, prefix cache and batching included.
+    forced_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -32,6 +37,12 @@ class SamplingParams:
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0:
+            raise ValueError(f"SamplingParams.logprobs must be an int >= 0 (top-k per token), got {self.logprobs!r}")
+        self.forced_token_ids = tuple(self.forced_token_ids)
+        bad = [t for t in self.forced_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+        if bad:
+            raise ValueError(f"SamplingParams.forced_token_ids must be token ids (ints >= 0), got {bad[:3]!r}")
 
 
 @dataclass(eq=False)
@@ -57,6 +68,7 @@ class Sequence:
     finish_reason: str | None = None
     user_request_id: object = None                          # the id a caller or trace gave
     generator: object = None                                # torch.Generator of a seeded request
+    logprobs: list = field(default_factory=list)            # per output token (params.logprobs > 0): see Sampler
 
     def __post_init__(self):
         if not self.token_ids:

@@ -1,0 +1,88 @@
+"""Issue 29, first part: divergence triage between two sides, drift or corruption, and the first bad token.
+
+The engine's teacher forcing (SamplingParams.forced_token_ids) and per-token log-probs run through its
+real serving path; they are checked against transformers' own teacher-forced log-probs. Pairs that
+differ only numerically come out identical or drift; a paged-KV fault on one side comes out
+corruption, at the token where its greedy output really changed or before.
+"""
+import numpy as np
+import pytest
+import torch
+
+from workbench import Engine, EngineConfig, SamplingParams, faults
+from workbench.diverge import EngineSide, triage
+
+
+def prompts(n=8, seed=3):
+    rng = np.random.default_rng(seed)
+    pre = rng.integers(3, 256, 40).tolist()
+    return [pre + rng.integers(3, 256, int(k)).tolist() for k in rng.integers(3, 30, n)]
+
+
+def engine(path, **kw):
+    return Engine.from_pretrained(path, EngineConfig(**{"num_pages": 256, **kw}))
+
+
+def test_forced_tokens_and_logprobs_through_the_serving_path_match_transformers(sharp_llama_dir, tiny_hf_model):
+    eng = engine(sharp_llama_dir)
+    rng = np.random.default_rng(0)
+    ps = prompts(4)
+    forced = [rng.integers(3, 256, 12).tolist() for _ in ps]
+    outs = eng.generate(ps, [SamplingParams(max_tokens=12, logprobs=3, forced_token_ids=f, ignore_eos=True)
+                             for f in forced])
+    for p, f, o in zip(ps, forced, outs):
+        assert o.token_ids == f and len(o.logprobs) == 12 and len(o.logprobs[0][1]) == 3
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny_hf_model(torch.tensor([p + f])).logits[0, len(p) - 1:-1].float(), -1)
+        want = lp[torch.arange(12), torch.tensor(f)].numpy()
+        got = np.array([x[0] for x in o.logprobs])
+        assert np.abs(got - want).max() < 1e-3, np.abs(got - want).max()
+        assert [x[1][0] for x in o.logprobs] == lp.argmax(-1).tolist()         # the model's own top token
+    with pytest.raises(ValueError, match="logprobs must be an int >= 0"):
+        SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="forced_token_ids must be token ids"):
+        SamplingParams(forced_token_ids=(1, -2))
+
+
+@pytest.mark.parametrize("pair", ["page size 16 vs 64", "bf16 vs fp32", "batch 1 vs 8", "prefix cache warm vs cold",
+                                  "ours vs transformers"])
+def test_pairs_that_differ_only_numerically_are_drift_or_identical(sharp_llama_dir, pair):
+    ps = prompts()
+    a = engine(sharp_llama_dir)
+    if pair == "page size 16 vs 64":
+        b = engine(sharp_llama_dir, page_size=64, num_pages=64)
+    elif pair == "bf16 vs fp32":
+        b = engine(sharp_llama_dir, dtype="bfloat16")
+    elif pair == "batch 1 vs 8":
+        a, b = EngineSide(a, "batch 1", batch=1), EngineSide(engine(sharp_llama_dir), "batch 8", batch=8)
+    elif pair == "prefix cache warm vs cold":
+        b = engine(sharp_llama_dir)
+        b.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True))       # the shared prefix now cached
+    else:
+        b = str(sharp_llama_dir)                                             # transformers, float32, no cache
+    rep = triage(a, b, ps, max_tokens=24)
+    df = rep.frame()
+    assert set(df.verdict) <= {"identical", "drift"}, (rep.summary(), df.evidence.tolist())
+    if pair == "bf16 vs fp32":
+        assert (df.verdict == "drift").all() and rep.scale > 1e-3               # bf16 really differs a little
+
+
+@pytest.mark.parametrize("fault", ["stale_binding", "page_out_of_range"])
+def test_a_paged_kv_fault_is_corruption_from_the_token_its_output_changed(sharp_llama_dir, fault):
+    ps = prompts()
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    clean = [o.token_ids for o in engine(sharp_llama_dir).generate(ps, greedy)]
+    bad_eng = engine(sharp_llama_dir)
+    with faults.inject(bad_eng, fault):
+        bad = [o.token_ids for o in bad_eng.generate(ps, greedy)]
+    changed = [next((t for t, (x, y) in enumerate(zip(c, b)) if x != y), None) for c, b in zip(clean, bad)]
+    assert any(c is not None for c in changed)                                # the output really changed
+    b = engine(sharp_llama_dir)
+    with faults.inject(b, fault):
+        rep = triage(engine(sharp_llama_dir), b, ps, max_tokens=24)
+    df = rep.frame()
+    for i, c in enumerate(changed):
+        if c is not None:
+            # its first wrong token is found, and no later than where the greedy text changed
+            assert df.verdict[i] == "corruption" and df.first_token[i] <= c, (i, c, df.evidence[i])
+    assert rep.floor < 1e-3 and (df.verdict == "corruption").sum() >= sum(c is not None for c in changed)

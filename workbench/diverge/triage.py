@@ -1,0 +1,125 @@
+"""triage(a, b, prompts): which request and token first went wrong, and was it drift or corruption.
+
+1. Side A runs the prompts greedy: the reference tokens.
+2. Side B runs teacher-forced on A's tokens through its own serving path (for an Engine: its
+   pages, prefix cache and batching, SamplingParams.forced_token_ids), giving per position the
+   log-prob of A's token and B's own top tokens.
+3. The noise floor, measured: each side runs A's tokens again in another batch composition and
+   order (one request at a time, reversed); the 99th percentile of a side's repeat differences is its
+   numeric noise, and the quieter side's is the pair's `floor` (a side that does not repeat itself
+   beyond that is named in the summary: a bug that depends on batching does that). A near tie is a
+   top-2 margin under `tie` = max(0.5 nats, 8 x floor).
+4. Per token: delta = |log-prob of A's token on A - on B|; B *flips* where its top token is not A's.
+   A token is **corrupt** when both sides were sure and disagree: A's margin > tie and B prefers
+   another token by more than tie (or puts A's token more than 2 x tie lower than A did, at a token A
+   was sure of); or when its delta is JUMP (100) times the pair's typical one (the median delta over
+   every token, at least the floor) and over MIN_JUMP: two implementations differ a little everywhere,
+   a wrong K/V differs a lot somewhere. Per request: `identical` (no flip, every delta within the floor), `corruption` (a
+   corrupt token: the first one is named), else `drift` (flips only at near ties, or small differences
+   everywhere: bf16 vs fp32, another page size, batch shape, transformers vs us).
+
+`report.frame()`: one row per request (request, verdict, first_token, layer, pages, evidence);
+localisation to a layer and pages is not done yet (columns None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sides import EngineSide, HFSide, Run
+
+JUMP = 100          # a token whose difference is this many times the pair's typical one is not numeric
+MIN_JUMP = 0.05     # nats: below this no single token is called corrupt on size alone
+
+
+@dataclass
+class TriageReport:
+    a: str
+    b: str
+    floor: float
+    tie: float
+    scale: float = 0.0                                         # the pair's typical (median) difference
+    jump: float = 0.0                                          # a difference this big is corruption
+    repeat_noise: dict = field(default_factory=dict)          # side -> its own repeat noise (99th pct)
+    rows: list[dict] = field(default_factory=list)
+    per_token: list[dict] = field(default_factory=list)      # request -> arrays (delta, margins, flips)
+
+    def frame(self):
+        import pandas as pd
+        return pd.DataFrame(self.rows, columns=["request", "verdict", "first_token", "layer", "pages", "evidence"])
+
+    def summary(self) -> str:
+        v = [r["verdict"] for r in self.rows]
+        loud = [s for s, x in self.repeat_noise.items() if x > self.jump]
+        return (f"{self.a} vs {self.b}: {v.count('identical')} identical, {v.count('drift')} drift, "
+                f"{v.count('corruption')} corruption (floor {self.floor:.2e} nats, near tie < {self.tie:.2f})"
+                + "".join(f"; {s} is not reproducible across batch compositions ({self.repeat_noise[s]:.2f} nats)"
+                          for s in loud))
+
+
+def as_side(x, name: str):
+    if hasattr(x, "run"):
+        return x
+    from ..engine import Engine
+    if isinstance(x, Engine):
+        return EngineSide(x, name=name)
+    return HFSide(x, name=name)
+
+
+def _delta(r1: Run, r2: Run) -> np.ndarray:
+    return np.concatenate([np.abs(a - b) for a, b in zip(r1.logprob, r2.logprob)]) if r1.logprob else np.zeros(0)
+
+
+def triage(a, b, prompts, max_tokens: int = 32) -> TriageReport:
+    A, B = as_side(a, "A"), as_side(b, "B")
+    n = len(prompts)
+    ref = A.run(prompts, max_tokens)
+    tokens = ref.tokens
+    fb = B.run(prompts, max_tokens, forced=tokens)
+    back = list(reversed(range(n)))
+    a2 = A.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
+    b2 = B.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
+    # each side's repeat noise; the pair's floor is the quieter side's: a side whose own repeat differs
+    # beyond it is not reproducible across batch compositions (itself a symptom, said in the report)
+    na, nb = (float(np.quantile(d, 0.99)) if len(d) else 0.0
+              for d in (np.nan_to_num(x, nan=1e9, posinf=1e9) for x in (_delta(ref, a2), _delta(fb, b2))))
+    floor = min(na, nb)
+    tie = max(0.5, 8 * floor)
+    rep = TriageReport(getattr(A, "name", "A"), getattr(B, "name", "B"), floor, tie)
+    rep.repeat_noise = {rep.a: na, rep.b: nb}
+    # the pair's typical difference (the median over every token): two implementations (bf16 and fp32,
+    # transformers and us) differ everywhere a little; corruption differs at some tokens by far more
+    every = np.concatenate([np.abs(x - y) for x, y in zip(ref.logprob, fb.logprob)]) if n else np.zeros(0)
+    finite = every[np.isfinite(every)]
+    scale = max(floor, float(np.median(finite)) if len(finite) else 0.0)
+    jump = max(JUMP * scale, MIN_JUMP)
+    rep.scale, rep.jump = scale, jump
+    for i in range(n):
+        lp_a, lp_b = ref.logprob[i], fb.logprob[i]
+        delta = np.abs(lp_a - lp_b)
+        margin_a = ref.margin(i)
+        b_top = fb.top[i][:, 0] if len(fb.top[i]) else np.zeros(0, dtype=int)
+        b_pref = fb.top_lp[i][:, 0] - lp_b                       # how much B prefers its top over A's token
+        flips = b_top != np.asarray(tokens[i])
+        with np.errstate(invalid="ignore"):
+            corrupt = ((margin_a > tie) & (((b_pref > tie) & flips) | (lp_a - lp_b > 2 * tie))) | (delta > jump)
+        corrupt |= ~np.isfinite(lp_b) & np.isfinite(lp_a)      # NaN / inf where A was finite: never numeric
+        if corrupt.any():
+            t = int(np.argmax(corrupt))
+            verdict = "corruption"
+            ev = (f"token {t} ({tokens[i][t]}): log-prob {lp_a[t]:.3f} on {rep.a}, {lp_b[t]:.3f} on {rep.b} "
+                  f"({delta[t] / max(scale, 1e-12):.0f}x the pair's typical difference {scale:.1e}); {rep.a} was "
+                  f"sure by {margin_a[t]:.2f} nats" + (f", {rep.b} prefers {int(b_top[t])} by {b_pref[t]:.2f}"
+                                                        if flips[t] else ""))
+        elif not flips.any() and (not len(delta) or delta.max() <= max(floor, 1e-6)):
+            t, verdict, ev = None, "identical", f"every token within the floor (max {delta.max() if len(delta) else 0:.1e})"
+        else:
+            t = int(np.argmax(flips)) if flips.any() else int(np.argmax(delta))
+            verdict = "drift"
+            ev = (f"{int(flips.sum())} flips, none where both sides were sure (margin > {tie:.2f}); largest "
+                  f"difference {delta.max():.3f} nats at token {int(np.argmax(delta))}")
+        rep.rows.append({"request": i, "verdict": verdict, "first_token": t, "layer": None, "pages": None,
+                         "evidence": ev})
+        rep.per_token.append({"delta": delta, "margin_a": margin_a, "flips": flips, "corrupt": corrupt})
+    return rep
