@@ -109,9 +109,11 @@ class ShadowProbe(Probe):
     description = "sampled dense recompute of one sequence's K/V and attention vs the paged path"
 
     def __init__(self, every: int | None = None, budget: int = 512, overhead: float = 0.01,
-                 seed: int = 0, tolerance: float | dict | None = None, max_rows: int = 100_000, **params):
+                 seed: int = 0, tolerance: float | dict | None = None, max_rows: int = 100_000,
+                 on_demand: bool = False, **params):
         super().__init__(every=every, budget=budget, overhead=overhead, seed=seed, tolerance=tolerance,
-                         max_rows=max_rows, **params)
+                         max_rows=max_rows, on_demand=on_demand, **params)
+        self.on_demand = bool(on_demand)        # only the checks check_now() asks for (divergence localisation)
         if every is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be a positive int or None (auto), got {every!r}")
         if budget < 1 or not 0 < overhead < 1:
@@ -162,6 +164,8 @@ class ShadowProbe(Probe):
     def _due(self) -> bool:
         if self._force is not None:
             return True
+        if self.on_demand:
+            return False
         if self.every is None:
             return self.forwards > AUTO_WARMUP and time.perf_counter() >= self._next_time
         return self._last_forward is None or self.forwards - self._last_forward >= self.every

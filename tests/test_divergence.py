@@ -3,7 +3,8 @@
 The engine's teacher forcing (SamplingParams.forced_token_ids) and per-token log-probs run through its
 real serving path; they are checked against transformers' own teacher-forced log-probs. Pairs that
 differ only numerically come out identical or drift; a paged-KV fault on one side comes out
-corruption, at the token where its greedy output really changed or before.
+corruption, at the token where its greedy output really changed or before, localised to a layer and
+a page by the shadow probe's dense recompute.
 """
 import numpy as np
 import pytest
@@ -86,3 +87,21 @@ def test_a_paged_kv_fault_is_corruption_from_the_token_its_output_changed(sharp_
             # its first wrong token is found, and no later than where the greedy text changed
             assert df.verdict[i] == "corruption" and df.first_token[i] <= c, (i, c, df.evidence[i])
     assert rep.floor < 1e-3 and (df.verdict == "corruption").sum() >= sum(c is not None for c in changed)
+    # localised on the engine side: the shadow's dense recompute at that token names a layer and a page
+    # (stale_binding: every run; page_out_of_range corrupts one step of a run, which a re-run need not meet)
+    located = df[df.pages.notna()]
+    assert len(located) >= (1 if fault == "stale_binding" else 0), df.evidence.tolist()
+    for _, row in located.iterrows():
+        assert row.pages and "shadow check there" in row.evidence
+        if fault == "stale_binding":
+            assert 0 <= row.layer < 2
+
+
+def test_kvwb_diff_names_the_pair_and_exits_by_verdict(sharp_llama_dir, capsys):
+    from workbench.cli import main
+    assert main(["diff", f"engine:{sharp_llama_dir}", f"engine:{sharp_llama_dir}?page_size=64&num_pages=64",
+                 "--limit", "3", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "A vs B: " in out and "request 2:" in out and " 0 corruption" in out.splitlines()[0]
+    assert main(["diff", "engine?nope=1", "hf:x"]) == 2
+    assert "'nope' is not an EngineConfig field" in capsys.readouterr().err

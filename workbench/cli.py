@@ -404,6 +404,69 @@ def _recorded_config(path) -> dict:
 
 
 # --------------------------------------------------------------------------
+# diff
+# --------------------------------------------------------------------------
+
+
+def _args_diff(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="side A: engine[:MODEL][?key=value&...] (EngineConfig fields, e.g. "
+                             "engine?dtype=bfloat16&page_size=64; MODEL: a GGUF or HF directory, default SmolLM2) "
+                             "or hf:DIR (transformers, float32)")
+    p.add_argument("b", help="side B, the same forms")
+    p.add_argument("--prompts", default=None, metavar="TRACE",
+                   help="prompts from a trace or recording with token ids (default: 8 synthetic prompts sharing a prefix)")
+    p.add_argument("--limit", type=int, default=8, help="at most this many prompts")
+    p.add_argument("--max-tokens", type=int, default=32)
+
+
+def _side(spec: str):
+    from urllib.parse import parse_qsl
+    from workbench.engine.config import EngineConfig
+    if spec.startswith("hf:"):
+        return spec[3:]
+    if not spec.startswith("engine"):
+        raise ValueError(f"side {spec!r}: use engine[:MODEL][?key=value...] or hf:DIR")
+    head, _, query = spec.partition("?")
+    model = head.partition(":")[2] or None
+    kw = {}
+    for k, v in parse_qsl(query, strict_parsing=bool(query)):
+        if k not in EngineConfig.__dataclass_fields__:
+            raise ValueError(f"side {spec!r}: {k!r} is not an EngineConfig field")
+        kw[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+    from workbench import Engine
+    cfg = EngineConfig(**kw)
+    return Engine.from_pretrained(model, cfg) if model else Engine.from_default(cfg)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from workbench.diverge import triage
+    try:
+        a, b = _side(args.a), _side(args.b)
+        if args.prompts:
+            from workbench.trace import read_trace
+            prompts = [r.prompt_token_ids for r in read_trace(args.prompts) if r.prompt_token_ids][:args.limit]
+            if not prompts:
+                raise ValueError(f"{args.prompts}: no request with prompt token ids")
+        else:
+            import numpy as np
+            vocab = min([1000] + [x.model_config.vocab_size for x in (a, b) if hasattr(x, "model_config")])
+            rng = np.random.default_rng(0)
+            pre = rng.integers(3, vocab, 40).tolist()
+            prompts = [pre + rng.integers(3, vocab, int(k)).tolist() for k in rng.integers(3, 30, args.limit)]
+    except (ValueError, OSError) as e:
+        print(f"kvwb diff: {e}", file=sys.stderr)
+        return 2
+    rep = triage(a, b, prompts, max_tokens=args.max_tokens)
+    print(rep.summary())
+    for row in rep.rows:
+        print(f"  request {row['request']}: {row['verdict']}"
+              + (f" from token {row['first_token']}" if row["first_token"] is not None else "")
+              + (f", layer {row['layer']}, pages {row['pages']}" if row["layer"] is not None else "")
+              + f": {row['evidence']}")
+    return 1 if any(r["verdict"] == "corruption" for r in rep.rows) else 0
+
+
+# --------------------------------------------------------------------------
 # dump
 # --------------------------------------------------------------------------
 
@@ -530,6 +593,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
 # name -> (handler, argument declarer, one-line help)
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]] = {
     "doctor": (cmd_doctor, _args_doctor, "check the install: torch, device, dtypes, bandwidth, matmul, default model"),
+    "diff": (cmd_diff, _args_diff, "divergence triage of two sides: identical, drift or corruption, per request"),
     "dump": (cmd_dump, _args_dump, "freeze a flight recording's current window into a repro bundle"),
     "replay": (cmd_replay, _args_replay, "replay a request trace (simulate or full) and summarise what happened"),
     "serve-metrics": (cmd_serve_metrics, _args_serve_metrics, "load an engine and serve its kvwb_* Prometheus metrics over HTTP"),

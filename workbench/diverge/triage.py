@@ -18,8 +18,10 @@
    corrupt token: the first one is named), else `drift` (flips only at near ties, or small differences
    everywhere: bf16 vs fp32, another page size, batch shape, transformers vs us).
 
-`report.frame()`: one row per request (request, verdict, first_token, layer, pages, evidence);
-localisation to a layer and pages is not done yet (columns None).
+`report.frame()`: one row per request (request, verdict, first_token, layer, pages, evidence). For a
+corrupt request on a side we can tap (our engine), localize.py runs it again to that token and asks
+the shadow probe for a dense recompute through every layer: the first layer and page it finds wrong
+fill `layer` and `pages` (None where it finds nothing, or for transformers on both sides).
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def _delta(r1: Run, r2: Run) -> np.ndarray:
     return np.concatenate([np.abs(a - b) for a, b in zip(r1.logprob, r2.logprob)]) if r1.logprob else np.zeros(0)
 
 
-def triage(a, b, prompts, max_tokens: int = 32) -> TriageReport:
+def triage(a, b, prompts, max_tokens: int = 32, localize: int = 4) -> TriageReport:
+    """localize: how many corrupt requests to localise to a layer and pages (on a side we can tap)."""
     A, B = as_side(a, "A"), as_side(b, "B")
     n = len(prompts)
     ref = A.run(prompts, max_tokens)
@@ -108,8 +111,10 @@ def triage(a, b, prompts, max_tokens: int = 32) -> TriageReport:
         if corrupt.any():
             t = int(np.argmax(corrupt))
             verdict = "corruption"
+            size = (f"{delta[t] / max(scale, 1e-12):.0f}x the pair's typical difference {scale:.1e}"
+                    if np.isfinite(delta[t]) else f"not finite on {rep.b}")
             ev = (f"token {t} ({tokens[i][t]}): log-prob {lp_a[t]:.3f} on {rep.a}, {lp_b[t]:.3f} on {rep.b} "
-                  f"({delta[t] / max(scale, 1e-12):.0f}x the pair's typical difference {scale:.1e}); {rep.a} was "
+                  f"({size}); {rep.a} was "
                   f"sure by {margin_a[t]:.2f} nats" + (f", {rep.b} prefers {int(b_top[t])} by {b_pref[t]:.2f}"
                                                         if flips[t] else ""))
         elif not flips.any() and (not len(delta) or delta.max() <= max(floor, 1e-6)):
@@ -119,7 +124,16 @@ def triage(a, b, prompts, max_tokens: int = 32) -> TriageReport:
             verdict = "drift"
             ev = (f"{int(flips.sum())} flips, none where both sides were sure (margin > {tie:.2f}); largest "
                   f"difference {delta.max():.3f} nats at token {int(np.argmax(delta))}")
-        rep.rows.append({"request": i, "verdict": verdict, "first_token": t, "layer": None, "pages": None,
-                         "evidence": ev})
+        row = {"request": i, "verdict": verdict, "first_token": t, "layer": None, "pages": None, "evidence": ev}
+        if verdict == "corruption" and localize > 0:
+            tap = B if isinstance(B, EngineSide) else A if isinstance(A, EngineSide) else None
+            if tap is not None:
+                localize -= 1
+                from .localize import localize as where
+                found = where(tap.engine, prompts, tokens, i, t)
+                if found is not None:
+                    row.update(layer=found["layer"], pages=found["pages"])
+                    row["evidence"] += f"; {tap.name}'s shadow check there: {found['message']}"
+        rep.rows.append(row)
         rep.per_token.append({"delta": delta, "margin_a": margin_a, "flips": flips, "corrupt": corrupt})
     return rep
