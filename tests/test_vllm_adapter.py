@@ -141,6 +141,20 @@ def test_the_server_keeps_a_flight_recording_and_sigusr1_freezes_a_bundle(served
         "vLLM serves on after the dump"
 
 
+def test_our_engine_against_this_vllm_is_drift_or_identical(served):
+    # issue 29: the same SmolLM2 weights, ours in float32 against vLLM's bfloat16, teacher-forced on our
+    # tokens through vLLM's prompt_logprobs: numeric drift, never corruption, and vLLM's own repeat
+    # (another batch composition) is measured as its noise
+    from workbench import Engine, EngineConfig
+    from workbench.diverge import VllmSide, triage
+    _, server, _ = served
+    eng = Engine.from_default(EngineConfig(num_pages=512))
+    prompts = [eng.tokenizer.encode(SYSTEM + q) for q in QUESTIONS[:4]]
+    rep = triage(eng, VllmSide(server.url, model="smollm2", name="vllm"), prompts, max_tokens=12, localize=0)
+    df = rep.frame()
+    assert set(df.verdict) <= {"identical", "drift"}, (rep.summary(), df.evidence.tolist())
+    assert "vllm" in rep.repeat_noise and rep.scale > 0                  # bf16 vs fp32 differ a little
+
 @pytest.mark.parametrize("fault, kind", [("permuted_block_table_rows", "block-table"),
                                          ("slot_mapping_off_at_boundary", "slot-mapping")])
 def test_metadata_fault_is_caught_naming_the_request(served, fault, kind):

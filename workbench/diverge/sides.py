@@ -10,6 +10,8 @@ serving path, so that a paged-KV bug corrupts what it reads exactly as in produc
               compositions the noise floor is measured over
   HFSide      a Hugging Face model directory (transformers): one dense forward over prompt + tokens,
               float32, no cache: the reference
+  VllmSide    a vLLM server (its OpenAI completions API): prompt_logprobs over prompt + tokens (its
+              prefill), greedy at temperature 0 with return_token_ids
 """
 from __future__ import annotations
 
@@ -89,3 +91,63 @@ class HFSide:
             tops.append(t.indices.numpy())
             top_lps.append(t.values.numpy())
         return Run(toks, lps, tops, top_lps)
+
+
+class VllmSide:
+    """A vLLM server through its OpenAI completions API: token ids in, `prompt_logprobs` out.
+
+    Teacher forcing is vLLM's prompt_logprobs over prompt + the forced tokens (one prefill: vLLM's
+    decode path is not what is compared, its prefill, sampler-free log-probs are); greedy is
+    temperature 0 with `return_token_ids`. `batch` requests are in flight at once (vLLM batches
+    them), in `order`: the compositions the noise floor is measured over."""
+
+    def __init__(self, url: str, model: str | None = None, name: str = "vllm", top_k: int = 5,
+                 timeout_s: float = 300):
+        self.url, self.name, self.top_k, self.timeout_s = url.rstrip("/"), name, top_k, timeout_s
+        self.model = model or self._get("/v1/models")["data"][0]["id"]
+
+    def _get(self, path: str) -> dict:
+        import json
+        import urllib.request
+        with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as r:
+            return json.loads(r.read())
+
+    def _post(self, body: dict) -> dict:
+        import json
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())["choices"][0]
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{self.url}/v1/completions: HTTP {e.code}: {e.read()[:300]!r}") from None
+
+    def _one(self, p, max_tokens: int, f):
+        p = [int(x) for x in p]
+        if f is None:
+            c = self._post({"model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True})
+            f = [int(x) for x in c["token_ids"]]
+        f = [int(x) for x in f]
+        c = self._post({"model": self.model, "prompt": p + f, "max_tokens": 1, "temperature": 0,
+                        "prompt_logprobs": self.top_k})
+        pl = c["prompt_logprobs"]
+        lp, top, top_lp = [], [], []
+        for j, tok in enumerate(f):
+            d = {int(k): v["logprob"] for k, v in pl[len(p) + j].items()}
+            lp.append(d[tok])
+            best = sorted(d.items(), key=lambda kv: -kv[1])[:self.top_k]
+            top.append([k for k, _ in best])
+            top_lp.append([v for _, v in best])
+        return f, np.asarray(lp), np.asarray(top), np.asarray(top_lp)
+
+    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:
+        from concurrent.futures import ThreadPoolExecutor
+        order = list(order) if order is not None else list(range(len(prompts)))
+        with ThreadPoolExecutor(max_workers=batch or len(prompts)) as pool:
+            futs = {i: pool.submit(self._one, prompts[i], max_tokens, None if forced is None else forced[i])
+                    for i in order}
+            res = [futs[i].result() for i in range(len(prompts))]
+        return Run([r[0] for r in res], [r[1] for r in res], [r[2] for r in res], [r[3] for r in res])

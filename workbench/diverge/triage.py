@@ -63,6 +63,9 @@ class TriageReport:
 def as_side(x, name: str):
     if hasattr(x, "run"):
         return x
+    if isinstance(x, str) and x.startswith(("http://", "https://")):
+        from .sides import VllmSide
+        return VllmSide(x, name=name)
     from ..engine import Engine
     if isinstance(x, Engine):
         return EngineSide(x, name=name)
