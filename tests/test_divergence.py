@@ -87,6 +87,10 @@ def test_a_paged_kv_fault_is_corruption_from_the_token_its_output_changed(sharp_
             # its first wrong token is found, and no later than where the greedy text changed
             assert df.verdict[i] == "corruption" and df.first_token[i] <= c, (i, c, df.evidence[i])
     assert rep.floor < 1e-3 and (df.verdict == "corruption").sum() >= sum(c is not None for c in changed)
+    # the strip: a cell per token of every request, the corrupt ones marked
+    fig = rep.strip()
+    assert fig.data[0].z.shape == (len(ps), 24)
+    assert len(fig.data[1].x) == sum(int(t["corrupt"].sum()) for t in rep.per_token) > 0
     # localised on the engine side: the shadow's dense recompute at that token names a layer and a page
     # (stale_binding: every run; page_out_of_range corrupts one step of a run, which a re-run need not meet)
     located = df[df.pages.notna()]

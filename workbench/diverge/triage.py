@@ -51,6 +51,29 @@ class TriageReport:
         import pandas as pd
         return pd.DataFrame(self.rows, columns=["request", "verdict", "first_token", "layer", "pages", "evidence"])
 
+    def strip(self):
+        """Per request, per output token: the difference between the sides (log10 nats), a cell per
+        token, corrupt tokens ringed in red, near ties (A's margin under `tie`) dimmed; plotly."""
+        import plotly.graph_objects as go
+        n = max((len(t["delta"]) for t in self.per_token), default=0)
+        z = np.full((len(self.per_token), n), np.nan)
+        for i, t in enumerate(self.per_token):
+            d = np.nan_to_num(np.asarray(t["delta"], dtype=float), nan=1e3, posinf=1e3)
+            z[i, :len(d)] = np.log10(np.maximum(d, 1e-9))
+        fig = go.Figure(go.Heatmap(z=z, colorscale="RdYlGn_r", zmin=-9, zmax=1,
+                                   colorbar={"title": "log10 |diff| (nats)"},
+                                   hovertemplate="request %{y}, token %{x}: 10^%{z:.1f} nats<extra></extra>"))
+        xs, ys = [], []
+        for i, t in enumerate(self.per_token):
+            for j in np.nonzero(t["corrupt"])[0]:
+                xs.append(int(j))
+                ys.append(i)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name="corrupt",
+                                 marker={"symbol": "square-open", "size": 12, "color": "red", "line": {"width": 2}}))
+        fig.update_layout(title=f"{self.a} vs {self.b}: {self.summary().split(': ', 1)[1]}", xaxis_title="output token",
+                          yaxis_title="request", height=120 + 28 * len(self.per_token))
+        return fig
+
     def summary(self) -> str:
         v = [r["verdict"] for r in self.rows]
         loud = [s for s, x in self.repeat_noise.items() if x > self.jump]
