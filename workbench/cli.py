@@ -395,12 +395,10 @@ def _recorded_config(path) -> dict:
     if not is_recording(path):
         return {}
     try:
-        h = open_recording(path).header
+        rec = open_recording(path)
     except RecordingError:
         return {}
-    return {"writer": h.get("writer"), "page_size": h.get("block_size"), "num_pages": h.get("num_blocks"),
-            "max_num_seqs": h.get("max_num_seqs"), "max_num_batched_tokens": h.get("max_num_batched_tokens"),
-            "enable_prefix_caching": h.get("enable_prefix_caching")}
+    return {"writer": rec.header.get("writer"), **rec.settings()}
 
 
 # --------------------------------------------------------------------------

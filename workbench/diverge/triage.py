@@ -119,7 +119,7 @@ def triage(a, b, prompts, max_tokens: int = 32, localize: int = 4) -> TriageRepo
     rep.repeat_noise = {rep.a: na, rep.b: nb}
     # the pair's typical difference (the median over every token): two implementations (bf16 and fp32,
     # transformers and us) differ everywhere a little; corruption differs at some tokens by far more
-    every = np.concatenate([np.abs(x - y) for x, y in zip(ref.logprob, fb.logprob)]) if n else np.zeros(0)
+    every = _delta(ref, fb)
     finite = every[np.isfinite(every)]
     scale = max(floor, float(np.median(finite)) if len(finite) else 0.0)
     jump = max(JUMP * scale, MIN_JUMP)

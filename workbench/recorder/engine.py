@@ -24,7 +24,7 @@ import time
 from ..events import (EVENT_BY_NAME, EngineIdle, PagesAllocated, PagesEvicted, PagesFreed, PagesRegistered,
                       PagesShared, RequestAdmitted, RequestFinished, RequestPreempted, RequestRejected,
                       RequestSubmitted, StepFailed, StepFinished)
-from .ring import DEFAULT_MAX_BYTES, SegmentRing
+from .ring import DEFAULT_MAX_BYTES, SegmentRing, prompt_fields
 
 RECORDED = (PagesAllocated, PagesFreed, PagesShared, PagesEvicted, PagesRegistered, RequestAdmitted,
             RequestPreempted, RequestFinished, RequestRejected, StepFinished, StepFailed, EngineIdle)
@@ -71,13 +71,7 @@ class EngineRecorder:
         rec = {"k": "request", "id": rid, "rid": e.request_id, "step": e.step,
                "arrival_s": round(max(e.arrival_time - self._t0, 0), 6),
                "output_len": params.pop("max_tokens", None), "sampling": params}
-        ids = list(e.prompt_token_ids)
-        if self.privacy:
-            from probes.provenance import chain
-            ps = self.engine.pool.page_size
-            rec.update(prompt_len=len(ids), hash_ids=chain(ids, ps, len(ids) // ps), hash_block_size=ps)
-        else:
-            rec["prompt_token_ids"] = ids
+        rec.update(prompt_fields(e.prompt_token_ids, self.engine.pool.page_size, self.privacy))
         self.ring.write(rec)
 
     def _row(self, etype: type, row: tuple) -> None:

@@ -16,6 +16,10 @@ from ..events import EVENT_BY_NAME
 from .ring import SCHEMA, SEGMENT_PREFIX
 
 
+# StepFinished columns compared between a recording and its replay
+STEP_COLUMNS = ("num_tokens", "num_running", "num_waiting", "num_preemptions", "pages_used")
+
+
 class RecordingError(ValueError):
     """A recording that cannot be read as asked; the message names the file (and line)."""
 
@@ -74,17 +78,18 @@ class Recording:
         from ..trace.timetravel import TimeTravel
         return TimeTravel(self.event_log(), self.num_blocks)
 
-    def engine_config(self, **overrides):
-        """An EngineConfig with what the recording ran with: block size, pool size, batching limits,
-        prefix caching (overrides win)."""
-        from ..engine import EngineConfig
+    def settings(self) -> dict:
+        """The EngineConfig fields the recording ran with (those it says): block size, pool size,
+        batching limits, prefix caching."""
         h = self.header
-        kw = {"page_size": self.block_size, "num_pages": self.num_blocks or None}
-        for k in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
-            if h.get(k) is not None:
-                kw[k] = h[k]
-        kw.update(overrides)
-        return EngineConfig(**kw)
+        kw = {"page_size": h.get("block_size"), "num_pages": h.get("num_blocks") or None,
+              **{k: h.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")}}
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def engine_config(self, **overrides):
+        """An EngineConfig with what the recording ran with (overrides win)."""
+        from ..engine import EngineConfig
+        return EngineConfig(**{**self.settings(), **overrides})
 
     def replay(self, target=None, mode: str = "simulate", **kw):
         """The recorded requests through our engine (`full`, target: an Engine or Workbench built with
@@ -130,11 +135,8 @@ class Recording:
         out = self._first_parting(result)
         if out is not None and engine is not None:
             cfg = getattr(getattr(engine, "engine", engine), "config", None)
-            recorded = {"page_size": self.block_size, "num_pages": self.num_blocks,
-                        **{k: self.header.get(k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                          "enable_prefix_caching")}}
-            diff = {k: (v, getattr(cfg, k, None)) for k, v in recorded.items()
-                    if v is not None and getattr(cfg, k, None) is not None and getattr(cfg, k) != v}
+            diff = {k: (v, getattr(cfg, k)) for k, v in self.settings().items()
+                    if getattr(cfg, k, None) is not None and getattr(cfg, k) != v}
             out["config_differs"] = diff
             out["said"] += ("; the settings differ (" + ", ".join(f"{k} recorded {a} vs replayed {b}"
                                                                   for k, (a, b) in diff.items())
@@ -152,11 +154,9 @@ class Recording:
     def _first_parting(self, result) -> dict | None:
         rec = [f for n, f in self.events if n == "StepFinished"]
         rep = self._replayed_steps(result)
-        cols = (("num_tokens", "num_tokens"), ("num_running", "num_running"), ("num_waiting", "num_waiting"),
-                ("num_preemptions", "num_preemptions"), ("pages_used", "pages_used"))
         for a, b in zip(rec, rep):
-            diff = {k: (a.get(ka), b.get(kb)) for k, (ka, kb) in zip((c[0] for c in cols), cols)
-                    if a.get(ka) is not None and b.get(kb) is not None and int(a[ka]) != int(b[kb])}
+            diff = {k: (a[k], b[k]) for k in STEP_COLUMNS
+                    if a.get(k) is not None and b.get(k) is not None and int(a[k]) != int(b[k])}
             if diff:
                 return {"step": int(a["step"]), "differs": diff,
                         "said": f"step {a['step']}: " + ", ".join(f"{k} recorded {x} vs replayed {y}"
@@ -188,7 +188,7 @@ class Recording:
         """Recorded and replayed steps in one DataFrame (tokens, running, waiting, preemptions, blocks in
         use), with a `parts` column marking the steps where they differ."""
         import pandas as pd
-        cols = ["num_tokens", "num_running", "num_waiting", "num_preemptions", "pages_used"]
+        cols = list(STEP_COLUMNS)
         rec = pd.DataFrame([f for n, f in self.events if n == "StepFinished"]).reindex(columns=["step", *cols])
         rep = self._replayed_steps(result)
         rep = pd.DataFrame(rep).reindex(columns=["step", *cols]) if rep else pd.DataFrame(columns=["step", *cols])

@@ -118,6 +118,17 @@ class SegmentRing:
         return sum(self._sizes.values())
 
 
+def prompt_fields(ids, block_size: int, privacy: bool) -> dict:
+    """A request record's prompt: its token ids, or (privacy) its length and per-block digests, the
+    prefix-provenance chain, which a replay reads as Mooncake-style hash ids (the sharing is kept)."""
+    ids = list(ids)
+    if not privacy:
+        return {"prompt_token_ids": ids}
+    from probes.provenance import chain
+    return {"prompt_len": len(ids), "hash_ids": chain(ids, block_size, len(ids) // block_size),
+            "hash_block_size": block_size}
+
+
 def _plain(x):
     """JSON for what json does not know: numpy scalars and arrays, tuples, sets, dataclasses."""
     if hasattr(x, "tolist"):

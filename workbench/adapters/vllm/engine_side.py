@@ -25,7 +25,7 @@ from probes.provenance import ProvenanceLedger, chain, seed
 
 from . import sanitizer
 from . import status as st
-from .ledger import BlockLedger, GroupRule
+from .ledger import BlockLedger, GroupRule, whole_lists
 
 
 def _in_queue(b) -> bool:
@@ -37,7 +37,7 @@ class PoolWatch:
     def __init__(self, rep, settings):
         self.rep, self.s = rep, settings
         self.ledger: BlockLedger | None = None
-        self.t_sched: dict[int, float] = {}
+        self.t_sched: dict[int, tuple[float, int]] = {}   # id(SchedulerOutput) -> (schedule time, its step)
         self.touched: set[int] = set()
         self.step = 0                    # update_from_output calls seen
         self.checks = 0
@@ -104,7 +104,7 @@ class PoolWatch:
         self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
-        self.t_sched[id(so)] = t0
+        self.t_sched[id(so)] = (t0, self.ledger.steps)   # the batch queue overlaps outputs: keep each one's step
         if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
             self.t_sched.pop(next(iter(self.t_sched)))
         if getattr(so, "total_num_scheduled_tokens", 0):
@@ -114,7 +114,7 @@ class PoolWatch:
                               "Scheduler.update_from_output never returned through the plugin's hook")
 
     def on_update(self, scheduler, so) -> None:
-        t0 = self.t_sched.pop(id(so), None)
+        t0, so_step = self.t_sched.pop(id(so), (None, None))
         if self.ledger is not None:
             self.touched |= self.ledger.done(so).touched()     # its tokens processed: windows move on
         now = time.perf_counter()
@@ -123,7 +123,7 @@ class PoolWatch:
         self.since_check = 0
         if self.recorder is not None:
             try:
-                self.recorder.on_update(scheduler, so, self.ledger.steps if self.ledger else self.step, step_s)
+                self.recorder.on_update(scheduler, so, so_step if so_step is not None else self.step, step_s)
             except Exception as e:
                 self.rep.error("flight recorder", e)
         idle = not scheduler.requests
@@ -141,11 +141,7 @@ class PoolWatch:
         starts with vLLM's null block for the tokens behind the window: those are not read)."""
         if getattr(scheduler, "connector", None) is not None:
             return                    # a connector's loaded tokens count as computed but were not hits
-        hits = [(nr.req_id, int(nr.num_computed_tokens)) for nr in getattr(so, "scheduled_new_reqs", ()) or ()]
-        c = getattr(so, "scheduled_cached_reqs", None)
-        if c is not None:
-            resumed = set(getattr(c, "resumed_req_ids", None) or ())
-            hits += [(r, int(n)) for r, n in zip(c.req_ids, c.num_computed_tokens) if r in resumed]
+        hits = [(rid, computed) for rid, _, computed in whole_lists(so)]
         scheduled = getattr(so, "num_scheduled_tokens", None) or {}
         groups = scheduler.kv_cache_config.kv_cache_groups
         found = []

@@ -75,6 +75,16 @@ def cached_rows(so):
         yield rid, new, int(c.num_computed_tokens[i]), rid in resumed
 
 
+def whole_lists(so):
+    """(request, its block ids per group, computed tokens) for each request that got its whole block
+    list in this SchedulerOutput: new requests and resumed ones (their computed tokens: a prefix hit)."""
+    for nr in getattr(so, "scheduled_new_reqs", None) or ():
+        yield nr.req_id, nr.block_ids, int(nr.num_computed_tokens)
+    for rid, new, computed, resumed in cached_rows(so):
+        if resumed:
+            yield rid, new or (), computed
+
+
 class BlockLedger:
     def __init__(self, num_blocks: int | None = None, rules: list[GroupRule] | None = None,
                  block_sizes: list[int] | None = None, null_block: int | None = None):

@@ -29,10 +29,10 @@ import threading
 import time
 
 from workbench.recorder.bundle import freeze
-from workbench.recorder.ring import SegmentRing
+from workbench.recorder.ring import SegmentRing, prompt_fields
 
 from . import status as st
-from .ledger import cached_rows
+from .ledger import cached_rows, whole_lists
 
 
 class VllmRecorder:
@@ -44,7 +44,6 @@ class VllmRecorder:
         self.preemptions = 0
         self._t0_wall = time.time()
         self._frozen_kinds: set = set()
-        self._steps: dict[int, int] = {}         # id(SchedulerOutput) -> its step (the batch queue overlaps them)
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, scheduler) -> None:
@@ -94,27 +93,20 @@ class VllmRecorder:
     def on_schedule(self, scheduler, so, delta, step: int) -> None:
         """delta: the ledger's Delta for this output (who let go of what, which blocks nobody holds)."""
         w = self.ring.write
-        self._steps[id(so)] = step
-        while len(self._steps) > 64:
-            self._steps.pop(next(iter(self._steps)))
         pool = scheduler.kv_cache_manager.block_pool
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         t_ns = time.time_ns()
         self.on_release(scheduler, delta, step)
         bs = [int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups]
-        fresh = [(nr.req_id, nr.block_ids, int(nr.num_computed_tokens)) for nr in
-                 getattr(so, "scheduled_new_reqs", None) or ()]
-        for rid, new, computed, resumed in cached_rows(so):
-            if resumed:
-                fresh.append((rid, new or (), computed))
-            elif new:
+        for rid, new, _, resumed in cached_rows(so):
+            if new and not resumed:
                 pages = [b for ids in new for b in ids if b != null]
                 if pages:
                     w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
                        "generations": [], "request_id": rid})
                     w({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in new],
                        "replace": False})
-        for rid, groups, computed in fresh:
+        for rid, groups, computed in whole_lists(so):
             hits, new = [], []
             for g, ids in enumerate(groups or ()):
                 k = computed // bs[g] if g < len(bs) else 0
@@ -158,18 +150,13 @@ class VllmRecorder:
                "output_len": getattr(sp, "max_tokens", None),
                "sampling": {k: getattr(sp, k) for k in ("temperature", "top_p", "top_k", "ignore_eos", "seed")
                             if sp is not None and hasattr(sp, k)}}
-        if self.s.record_privacy:
-            from probes.provenance import chain
-            bs = int(scheduler.block_size)
-            rec.update(prompt_len=len(ids), hash_ids=chain(ids, bs, len(ids) // bs), hash_block_size=bs)
-        else:
-            rec["prompt_token_ids"] = ids
+        rec.update(prompt_fields(ids, int(scheduler.block_size), self.s.record_privacy))
         self.ring.write(rec)
         if len(self.seen) > 1_000_000:
             self.seen.clear()
 
     def on_update(self, scheduler, so, step: int, step_s: float | None) -> None:
-        step = self._steps.pop(id(so), step)
+        """step: the output's own step (engine_side keeps it from schedule time)."""
         pool = scheduler.kv_cache_manager.block_pool
         n = len(pool.blocks)
         running = len(scheduler.running)

@@ -137,10 +137,11 @@ def pool_findings(step: int, ref, free_walk: list[int], walk_error: str | None, 
                   index_errors: tuple[list[int], list[int]] = ([], []), last_holder: dict | None = None,
                   block_size: int | None = None, computed: dict[str, int] | None = None,
                   optional: dict[str, list[int]] | None = None) -> list[dict]:
-    """The pool recomputed from its blocks against the manager's per-request lists.
+    """The pool recomputed from its blocks against the ledger's per-request holders.
 
     ref: ref_cnt per block; free_walk: the free queue from its head; prev: each block's
-    prev link (-1 none); holders: request id -> block ids (req_to_blocks); live: the
+    prev link (-1 none); holders: request id -> block ids it must hold (the ledger's, plus
+    pins); live: the
     scheduler's requests -> status; index_errors: (index entries naming a block with
     another hash, hashed blocks missing from the index); last_holder: block -> the
     request that last mapped it (for naming leaks); optional: request -> blocks it may have
