@@ -148,8 +148,8 @@ wb.findings
 # %% [markdown]
 # ## 7. Checks
 # The page size is caught as an error naming `page_size=12` and the fallback, with the supported sizes as the
-# hint; the fallback really does more work (bytes it counted; CPU time of one thread, a large effect rather than a
-# close timing); the fixed engine is back on the paged kernel and the probe is silent.
+# hint; the fallback really does more work (the bytes it counted: a count, not a timing, so the check does not
+# depend on how busy the machine is); the fixed engine is back on the paged kernel and the probe is silent.
 
 # %%
 assert not clean_findings, clean_findings
@@ -160,7 +160,6 @@ assert f.probe == "bandwidth" and f.kind == "page-size"
 assert "page_size=12" in f.message and "torch-fallback" in f.message and "16, 32, 64 or 128" in f.hint
 assert [o.text for o in slow_outs] == [o.text for o in clean_outs]
 assert gathered > 1.5 * clean["bytes_kv_read"].sum()          # counted bytes, not time
-assert slow_cpu > 1.25 * clean_cpu, (slow_cpu, clean_cpu)
 
 assert "page_size=12" in rejected and "16, 32, 64 or 128" in rejected
 assert engine.config.page_size == 16 and engine.attn.name != "torch-fallback"
