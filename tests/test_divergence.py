@@ -109,3 +109,40 @@ def test_kvwb_diff_names_the_pair_and_exits_by_verdict(sharp_llama_dir, capsys):
     assert "A vs B: " in out and "request 2:" in out and " 0 corruption" in out.splitlines()[0]
     assert main(["diff", "engine?nope=1", "hf:x"]) == 2
     assert "'nope' is not an EngineConfig field" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault", [None, "stale_binding"])
+def test_a_flight_recording_is_the_reference_side(sharp_llama_dir, tmp_path, fault):
+    """Production recorded (clean, or with a fault it did not know about); the recording triaged
+    against a clean engine teacher-forced on its tokens: identical when clean, corruption at the
+    first recorded token that really differs from a clean run's."""
+    ps = prompts()
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    clean = [o.token_ids for o in engine(sharp_llama_dir).generate(ps, greedy)]
+    prod = engine(sharp_llama_dir, record_dir=str(tmp_path / "rec"))
+    sampled = prod.add_request(ps[0], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    if fault:
+        with faults.inject(prod, fault):
+            recorded = [o.token_ids for o in prod.generate(ps, greedy)]
+    else:
+        recorded = [o.token_ids for o in prod.generate(ps, greedy)]
+    prod.recorder.close()
+    changed = [next((t for t, (x, y) in enumerate(zip(c, r)) if x != y), None) for c, r in zip(clean, recorded)]
+    assert (fault is None) == all(c is None for c in changed)                  # the fault really changed outputs
+
+    rep = triage(str(tmp_path / "rec"), engine(sharp_llama_dir))              # A, B in any order: the recording leads
+    df = rep.frame()
+    assert rep.a.startswith("recording") and len(df) == len(ps)
+    assert sampled not in set(df.request)                                     # a sampled request is no evidence
+    for i, c in enumerate(changed):
+        if c is None:
+            assert df.verdict[i] in ("identical", "drift"), df.evidence[i]
+        else:
+            assert df.verdict[i] == "corruption" and df.first_token[i] <= c, (i, c, df.evidence[i])
+    if fault:
+        assert (df.verdict == "corruption").sum() >= sum(c is not None for c in changed) > 0
+    else:
+        assert (df.verdict == "identical").all(), df.evidence.tolist()
+    # the same recording from the command line, as a path
+    from workbench.cli import main
+    assert main(["diff", str(tmp_path / "rec"), f"engine:{sharp_llama_dir}"]) == (1 if fault else 0)

@@ -154,6 +154,19 @@ def test_our_engine_against_this_vllm_is_drift_or_identical(served):
     df = rep.frame()
     assert set(df.verdict) <= {"identical", "drift"}, (rep.summary(), df.evidence.tolist())
     assert "vllm" in rep.repeat_noise and rep.scale > 0                  # bf16 vs fp32 differ a little
+    # vLLM's own greedy run of those prompts, in its flight recording with what it produced: as the
+    # reference side against our engine (teacher-forced on the recorded tokens) drift or identical too
+    from workbench.diverge import RecordingSide
+    greedy = VllmSide(server.url, model="smollm2").run(prompts, 12).tokens
+    from workbench.recorder.reader import open_recording
+    d = max((p for p in server.record_root.iterdir() if p.is_dir() and p.name.startswith("vllm-")), key=lambda p: p.stat().st_mtime)
+    want = [q["id"] for q in open_recording(d).requests if q.get("prompt_token_ids") in prompts
+            and (q.get("output_len") or 0) > 1]
+    side = RecordingSide(d, requests=want)
+    assert len(side.ids) >= len(prompts) and not side.skipped, side.skipped
+    assert sorted(side.tokens) == sorted(greedy)                          # the tokens the client got back
+    rec_rep = triage(side, eng, max_tokens=12)
+    assert set(rec_rep.frame().verdict) <= {"identical", "drift"}, rec_rep.frame().evidence.tolist()
 
 @pytest.mark.parametrize("fault, kind", [("permuted_block_table_rows", "block-table"),
                                          ("slot_mapping_off_at_boundary", "slot-mapping")])

@@ -53,6 +53,9 @@ def test_the_recorder_keeps_vllms_requests_and_pool_and_they_replay(hybrid, tmp_
     assert h["num_blocks"] == r.result["num_blocks"] and h["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
     assert sorted(q["id"] for q in rec.requests) == sorted(r.result["outputs"])
     assert all(len(q["prompt_token_ids"]) > 70 and q["output_len"] == 40 for q in rec.requests)
+    # what vLLM produced, per request, from update_from_output's outputs: the tokens the driver got back
+    outs = rec.outputs()
+    assert {k: o["tokens"] for k, o in outs.items()} == r.result["outputs"] and all(o["finished"] for o in outs.values())
     steps = [f for n, f in rec.events if n == "StepFinished"]
     assert len(steps) == r.result["steps"] and max(s["num_running"] for s in steps) >= 2
     # each request's blocks per KV cache group over its life: the full-attention group holds one block per

@@ -409,7 +409,8 @@ def _recorded_config(path) -> dict:
 def _args_diff(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="side A: engine[:MODEL][?key=value&...] (EngineConfig fields, e.g. "
                              "engine?dtype=bfloat16&page_size=64; MODEL: a GGUF or HF directory, default SmolLM2) "
-                             "or hf:DIR (transformers, float32)")
+                             "or hf:DIR (transformers, float32), a vLLM server URL (http://HOST:PORT), or a flight "
+                             "recording directory (its greedy requests and the tokens they produced: the reference)")
     p.add_argument("b", help="side B, the same forms")
     p.add_argument("--prompts", default=None, metavar="TRACE",
                    help="prompts from a trace or recording with token ids (default: 8 synthetic prompts sharing a prefix)")
@@ -420,10 +421,17 @@ def _args_diff(p: argparse.ArgumentParser) -> None:
 def _side(spec: str):
     from urllib.parse import parse_qsl
     from workbench.engine.config import EngineConfig
+    from workbench.recorder.reader import is_recording
     if spec.startswith("hf:"):
         return spec[3:]
+    if spec.startswith(("http://", "https://")):
+        return spec
+    if is_recording(spec):
+        from workbench.diverge.sides import RecordingSide
+        return RecordingSide(spec)
     if not spec.startswith("engine"):
-        raise ValueError(f"side {spec!r}: use engine[:MODEL][?key=value...] or hf:DIR")
+        raise ValueError(f"side {spec!r}: use engine[:MODEL][?key=value...], hf:DIR, http://HOST:PORT or a "
+                         "recording directory")
     head, _, query = spec.partition("?")
     model = head.partition(":")[2] or None
     kw = {}
@@ -440,7 +448,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from workbench.diverge import triage
     try:
         a, b = _side(args.a), _side(args.b)
-        if args.prompts:
+        prompts = None
+        if any(not getattr(x, "has_logprobs", True) for x in (a, b)):
+            pass                                      # a recording brings its own requests
+        elif args.prompts:
             from workbench.trace import read_trace
             prompts = [r.prompt_token_ids for r in read_trace(args.prompts) if r.prompt_token_ids][:args.limit]
             if not prompts:

@@ -72,6 +72,7 @@ class RequestFinished(Event):
     num_preemptions: int
     ttft_s: float | None
     latency_s: float | None
+    output_token_ids: Any = ()     # what it produced (the flight recorder keeps it: a recording is a triage side)
 
 
 # ---- pages -----------------------------------------------------------------
@@ -348,7 +349,7 @@ def _row_getter(t: type) -> tuple:
 
 # ---- the log ---------------------------------------------------------------
 # tensors and whole prompts stay out of the log (the trace capture keeps prompts)
-_SKIP_COLUMNS = {"cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "prompt_token_ids", "params"}
+_SKIP_COLUMNS = {"cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "prompt_token_ids", "params", "output_token_ids"}
 
 
 def _plain(v: Any) -> Any:

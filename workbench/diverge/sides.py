@@ -151,3 +151,50 @@ class VllmSide:
                     for i in order}
             res = [futs[i].result() for i in range(len(prompts))]
         return Run([r[0] for r in res], [r[1] for r in res], [r[2] for r in res], [r[3] for r in res])
+
+
+class RecordingSide:
+    """A flight recording (workbench.recorder; our engine's or vLLM's): the prompts and the tokens
+    production produced, fixed. It is always the reference (triage's A): it cannot be re-run or
+    teacher-forced, and keeps tokens, not log-probs, so the other side judges it alone (triage's
+    one-sided rule). Only requests it can stand for: greedy (temperature 0: a sampled token is
+    no evidence), finished, with their prompt and output token ids (not a privacy recording);
+    the others are listed in `skipped` with the reason."""
+
+    has_logprobs = False
+
+    def __init__(self, path, name: str | None = None, requests=None):
+        """requests: only these request ids (as the recording names them); default every one."""
+        from ..recorder.reader import open_recording
+        self.recording = rec = open_recording(path)
+        wanted = None if requests is None else set(requests)
+        self.name = name or f"recording {rec.path.name}"
+        outs = rec.outputs()
+        self.ids, self.prompts, self.tokens, self.skipped = [], [], [], []
+        for r in rec.requests:
+            rid, o = r.get("id"), outs.get(r.get("id"))
+            if wanted is not None and rid not in wanted:
+                continue
+            temp = (r.get("sampling") or {}).get("temperature", 0.0) or 0.0
+            why = ("no prompt token ids (a privacy recording)" if r.get("prompt_token_ids") is None else
+                   f"sampled (temperature {temp})" if temp > 0 else
+                   "its output is not in the recording" if o is None else
+                   "only token counts recorded (privacy)" if o["tokens"] is None else
+                   "not finished when the recording ends" if not o["finished"] else
+                   "no output tokens" if not o["tokens"] else None)
+            if why:
+                self.skipped.append({"request": rid, "why": why})
+                continue
+            self.ids.append(rid)
+            self.prompts.append([int(x) for x in r["prompt_token_ids"]])
+            self.tokens.append(list(o["tokens"]))
+        if not self.ids:
+            reasons = sorted({s["why"] for s in self.skipped}) or ["no requests recorded"]
+            raise ValueError(f"{rec.path}: no request in this recording can be compared ({'; '.join(reasons)})")
+
+    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:
+        if forced is not None:
+            raise ValueError(f"{self.name}: a recording cannot be teacher-forced (it is the reference side)")
+        n = [len(t) for t in self.tokens]
+        return Run([list(t) for t in self.tokens], [np.full(k, np.nan) for k in n],
+                   [np.zeros((k, 0), dtype=np.int64) for k in n], [np.zeros((k, 0)) for k in n])

@@ -18,6 +18,10 @@
    corrupt token: the first one is named), else `drift` (flips only at near ties, or small differences
    everywhere: bf16 vs fp32, another page size, batch shape, transformers vs us).
 
+A flight recording (workbench.recorder, ours or vLLM's; a path or RecordingSide) can be side A: its
+greedy requests' prompts and the tokens production produced, judged by B alone (`_one_sided`: a
+recorded token B rejects by more than 2 x tie is corruption), the floor B's own repeat noise.
+
 `report.frame()`: one row per request (request, verdict, first_token, layer, pages, evidence). For a
 corrupt request on a side we can tap (our engine), localize.py runs it again to that token and asks
 the shadow probe for a dense recompute through every layer: the first layer and page it finds wrong
@@ -92,27 +96,49 @@ def as_side(x, name: str):
     from ..engine import Engine
     if isinstance(x, Engine):
         return EngineSide(x, name=name)
+    from ..recorder.reader import is_recording
+    if is_recording(x):
+        from .sides import RecordingSide
+        return RecordingSide(x)
     return HFSide(x, name=name)
+
+
+def _noise(r1: Run, r2: Run) -> float:
+    """A side's repeat noise: the 99th percentile of its per-token differences between two runs."""
+    d = np.nan_to_num(_delta(r1, r2), nan=1e9, posinf=1e9)
+    return float(np.quantile(d, 0.99)) if len(d) else 0.0
 
 
 def _delta(r1: Run, r2: Run) -> np.ndarray:
     return np.concatenate([np.abs(a - b) for a, b in zip(r1.logprob, r2.logprob)]) if r1.logprob else np.zeros(0)
 
 
-def triage(a, b, prompts, max_tokens: int = 32, localize: int = 4) -> TriageReport:
-    """localize: how many corrupt requests to localise to a layer and pages (on a side we can tap)."""
+def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4) -> TriageReport:
+    """localize: how many corrupt requests to localise to a layer and pages (on a side we can tap).
+    A recording (a path, or RecordingSide) is always the reference: it brings its own prompts
+    (`prompts` None) and is judged by the other side alone (see _one_sided)."""
     A, B = as_side(a, "A"), as_side(b, "B")
+    if not getattr(B, "has_logprobs", True) and getattr(A, "has_logprobs", True):
+        A, B = B, A                                  # the recording is the reference
+    if not getattr(B, "has_logprobs", True):
+        raise ValueError(f"{A.name} vs {B.name}: two recordings cannot be compared token by token "
+                         "(neither can be teacher-forced); compare each with an engine")
+    if not getattr(A, "has_logprobs", True):
+        prompts = A.prompts                          # a recording's own requests, whatever was passed
+    elif prompts is None:
+        raise ValueError("triage: prompts are needed unless one side is a recording")
     n = len(prompts)
     ref = A.run(prompts, max_tokens)
     tokens = ref.tokens
     fb = B.run(prompts, max_tokens, forced=tokens)
     back = list(reversed(range(n)))
-    a2 = A.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
     b2 = B.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
+    if not getattr(A, "has_logprobs", True):
+        return _one_sided(A, B, ref, fb, b2)
+    a2 = A.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
     # each side's repeat noise; the pair's floor is the quieter side's: a side whose own repeat differs
     # beyond it is not reproducible across batch compositions (itself a symptom, said in the report)
-    na, nb = (float(np.quantile(d, 0.99)) if len(d) else 0.0
-              for d in (np.nan_to_num(x, nan=1e9, posinf=1e9) for x in (_delta(ref, a2), _delta(fb, b2))))
+    na, nb = _noise(ref, a2), _noise(fb, b2)
     floor = min(na, nb)
     tie = max(0.5, 8 * floor)
     rep = TriageReport(getattr(A, "name", "A"), getattr(B, "name", "B"), floor, tie)
@@ -162,4 +188,43 @@ def triage(a, b, prompts, max_tokens: int = 32, localize: int = 4) -> TriageRepo
                     row["evidence"] += f"; {tap.name}'s shadow check there: {found['message']}"
         rep.rows.append(row)
         rep.per_token.append({"delta": delta, "margin_a": margin_a, "flips": flips, "corrupt": corrupt})
+    return rep
+
+
+def _one_sided(A, B, ref: Run, fb: Run, b2: Run) -> TriageReport:
+    """A recording against a side that can be teacher-forced on its tokens. The recording kept no
+    log-probs, so B alone judges each recorded token: `pref` = how much B prefers its own top token
+    over the recorded one (0 where they agree). A recorded token B rejects by more than 2 x tie
+    (the two-sided rule's bound for a token A was sure of) is corruption: no numeric difference the
+    floor allows moves a log-prob that far; a flip under it is drift (a near tie on B, which another
+    dtype or device may break the other way). The floor is B's own repeat noise."""
+    floor = _noise(fb, b2)
+    tie = max(0.5, 8 * floor)
+    rep = TriageReport(A.name, B.name, floor, tie)
+    rep.repeat_noise = {B.name: floor}
+    rep.scale, rep.jump = floor, 2 * tie
+    ids = getattr(A, "ids", None) or list(range(len(ref.tokens)))
+    for i, toks in enumerate(ref.tokens):
+        lp_b = fb.logprob[i]
+        pref = fb.top_lp[i][:, 0] - lp_b
+        flips = fb.top[i][:, 0] != np.asarray(toks)
+        with np.errstate(invalid="ignore"):
+            corrupt = (flips & (pref > 2 * tie)) | ~np.isfinite(lp_b)
+        if corrupt.any():
+            t = int(np.argmax(corrupt))
+            verdict = "corruption"
+            ev = (f"token {t} ({toks[t]}): {B.name} gives the recorded token {lp_b[t]:.3f} and prefers "
+                  f"{int(fb.top[i][t, 0])} by {pref[t]:.2f} nats (> {2 * tie:.2f}): the recorded run computed "
+                  "something else there")
+        elif not flips.any():
+            t, verdict = None, "identical"
+            ev = f"every recorded token is {B.name}'s greedy choice (the recording keeps tokens, not log-probs)"
+        else:
+            t, verdict = int(np.argmax(flips)), "drift"
+            ev = (f"{int(flips.sum())} recorded tokens {B.name} would not have chosen, each within a near tie "
+                  f"(prefers its own by at most {float(pref[flips].max()):.2f} nats <= {2 * tie:.2f})")
+        rep.rows.append({"request": ids[i], "verdict": verdict, "first_token": t, "layer": None, "pages": None,
+                         "evidence": ev})
+        rep.per_token.append({"delta": np.where(flips, pref, 0.0), "margin_a": np.full(len(toks), np.nan),
+                              "flips": flips, "corrupt": corrupt})
     return rep

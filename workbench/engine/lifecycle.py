@@ -77,7 +77,7 @@ def emit_finished(bus: EventBus, step: int, t_ns: int, seq) -> None:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         lat = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         bus.emit(RequestFinished(step, t_ns, seq.request_id, seq.finish_reason or "", seq.num_prompt_tokens,
-                                 seq.num_output_tokens, seq.num_preemptions, ttft, lat))
+                                 seq.num_output_tokens, seq.num_preemptions, ttft, lat, tuple(seq.output_token_ids)))
 
 
 def emit_step(bus: EventBus, step: int, t_ns: int, dt_ns: int, sched, pool, scheduler, bytes_weights: int = 0,

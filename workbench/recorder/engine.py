@@ -10,6 +10,8 @@ no event object is built for it):
   ev        every pool and request-lifecycle event (allocated, freed, shared, evicted, registered,
             admitted, preempted, finished) and StepFinished, as its fields: enough for TimeTravel
             to rebuild the pool at any recorded step
+  tokens    per finished request, what it produced (`out`: id -> token ids; with privacy, only
+            their count): what a divergence triage compares against (diverge.RecordingSide)
 
 The ring is flushed at each StepFinished and EngineIdle: a SIGKILL loses at most the step in
 flight. Findings a probe reports go in too (`note_finding`), and freeze a bundle at >= error (one
@@ -61,12 +63,14 @@ class EngineRecorder:
         self._t0 = time.perf_counter()
         self.bundles: list[str] = []
         self._frozen_kinds: set[str] = set()
+        self._ids: dict[int, object] = {}              # engine request id -> the id its request record has
         self.bus = engine.bus
         self.bus.subscribe(RequestSubmitted, self._submitted)
         self.bus.subscribe_rows(RECORDED, self._row)
 
     def _submitted(self, e: RequestSubmitted) -> None:
         rid = e.request_id if e.user_request_id is None else e.user_request_id
+        self._ids[e.request_id] = rid
         params = dataclasses.asdict(e.params) if dataclasses.is_dataclass(e.params) else {}
         rec = {"k": "request", "id": rid, "rid": e.request_id, "step": e.step,
                "arrival_s": round(max(e.arrival_time - self._t0, 0), 6),
@@ -75,11 +79,22 @@ class EngineRecorder:
         self.ring.write(rec)
 
     def _row(self, etype: type, row: tuple) -> None:
-        self.ring.write({"k": "ev", "e": etype.__name__, **dict(zip(_FIELDS[etype], row))})
+        rec = {"k": "ev", "e": etype.__name__, **dict(zip(_FIELDS[etype], row))}
+        if etype is RequestFinished:
+            self._finished(rec)
+            return
+        self.ring.write(rec)
         if etype is StepFinished or etype is EngineIdle:
             self.ring.flush()
         elif etype is StepFailed:                 # an exception in the step: the window before it, frozen
             self.freeze("exception")
+
+    def _finished(self, rec: dict) -> None:
+        out = rec.pop("output_token_ids", ()) or ()
+        self.ring.write(rec)
+        rid = self._ids.pop(rec["request_id"], rec["request_id"])
+        self.ring.write({"k": "tokens", "step": rec["step"], "finished": [str(rid)],
+                         "out": {str(rid): len(out) if self.privacy else list(out)}})
 
     def note_finding(self, f) -> None:
         """A probe's finding, kept with the step it names; one >= error freezes a bundle."""

@@ -33,6 +33,7 @@ class Recording:
     findings: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)                   # vLLM recordings: one row per step
     blocks: list[dict] = field(default_factory=list)                  # vLLM: block ids per KV group as sent
+    tokens: list[dict] = field(default_factory=list)                  # produced token ids, by step
     segments: list[str] = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -210,6 +211,26 @@ class Recording:
         kw.setdefault("title", f"recording: {self.path.name} ({self.header.get('writer', '?')})")
         return Dashboard(self.event_log(), self.num_blocks, findings=self.findings_frame(), live=False, **kw)
 
+    def outputs(self) -> dict:
+        """Request id (as its request record has it) -> {"tokens": what it produced, in order (None
+        where the recording kept only counts: privacy), "finished": bool}. Only requests whose request
+        record is in the recording (the ring may have dropped the oldest)."""
+        ids = {str(r.get("id")): r.get("id") for r in self.requests}
+        got: dict = {}
+        for t in self.tokens:
+            for rid, new in (t.get("out") or {}).items():
+                if rid not in ids:
+                    continue
+                o = got.setdefault(ids[rid], {"tokens": [], "finished": False})
+                if isinstance(new, list) and o["tokens"] is not None:
+                    o["tokens"].extend(int(x) for x in new)
+                else:
+                    o["tokens"] = None
+            for rid in t.get("finished") or ():
+                if rid in ids:
+                    got.setdefault(ids[rid], {"tokens": [], "finished": False})["finished"] = True
+        return got
+
     def frame(self, what: str = "requests"):
         import pandas as pd
         if what == "requests":
@@ -285,6 +306,8 @@ def open_recording(path, strict: bool = False) -> Recording:
                 rec.steps.append(obj)
             elif kind == "blocks":
                 rec.blocks.append(obj)
+            elif kind == "tokens":
+                rec.tokens.append(obj)
             else:
                 bad(f"{seg}:{i}: unknown record kind {kind!r}", "unknown_records")
         if header is None and seg.name not in rec.segments and not any(str(seg) in p for p in rec.problems):

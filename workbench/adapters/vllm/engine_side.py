@@ -113,7 +113,8 @@ class PoolWatch:
             self.rep.inactive(sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
                               "Scheduler.update_from_output never returned through the plugin's hook")
 
-    def on_update(self, scheduler, so) -> None:
+    def on_update(self, scheduler, so, outputs=None) -> None:
+        """outputs: what update_from_output returned (client index -> EngineCoreOutputs)."""
         t0, so_step = self.t_sched.pop(id(so), (None, None))
         if self.ledger is not None:
             self.touched |= self.ledger.done(so).touched()     # its tokens processed: windows move on
@@ -123,7 +124,7 @@ class PoolWatch:
         self.since_check = 0
         if self.recorder is not None:
             try:
-                self.recorder.on_update(scheduler, so, so_step if so_step is not None else self.step, step_s)
+                self.recorder.on_update(scheduler, so, so_step if so_step is not None else self.step, step_s, outputs)
             except Exception as e:
                 self.rep.error("flight recorder", e)
         idle = not scheduler.requests

@@ -106,7 +106,7 @@ def _engine_core() -> None:
         def hook(self, scheduler_output, *a, outer, **kw):
             out = orig(self, scheduler_output, *a, **kw)
             if outer:
-                _guard("pool check", POOL.on_update, self, scheduler_output)
+                _guard("pool check", POOL.on_update, self, scheduler_output, out)
             return out
         return hook
 

@@ -1,7 +1,7 @@
 """The flight recorder inside vLLM: on whenever the plugin is, in the engine core process.
 
 Everything comes from what the plugin already sees at `Scheduler.schedule` and
-`Scheduler.update_from_output` (no further hook, nothing read from the workers):
+`Scheduler.update_from_output` and what it returns (no further hook, nothing read from the workers):
 
   request   a new request's id, the step it was first scheduled, arrival (seconds since the
             recording began, from vLLM's own arrival_time), prompt token ids (PAGEDKV_RECORD_PRIVACY:
@@ -14,6 +14,8 @@ Everything comes from what the plugin already sees at `Scheduler.schedule` and
   blocks    a request's block ids per KV cache group as they cross to the workers (whole lists for a
             new or resumed request, appended ids after): Recording.blocks_of() replays its life
   step      per step, the tokens scheduled per request and the preempted ids
+  tokens    per step, the new token ids per request from update_from_output's outputs (privacy:
+            counts) and the ids that finished: what a divergence triage compares against
   finding   the plugin's findings on this process; one >= error freezes a repro bundle, and so do
             SIGUSR1 and SIGTERM (then vLLM's own handler runs) and `kvwb dump DIR`
 
@@ -155,8 +157,10 @@ class VllmRecorder:
         if len(self.seen) > 1_000_000:
             self.seen.clear()
 
-    def on_update(self, scheduler, so, step: int, step_s: float | None) -> None:
-        """step: the output's own step (engine_side keeps it from schedule time)."""
+    def on_update(self, scheduler, so, step: int, step_s: float | None, outputs=None) -> None:
+        """step: the output's own step (engine_side keeps it from schedule time); outputs: what
+        update_from_output returned, whose new tokens go in a `tokens` record (with privacy, counts)."""
+        self._tokens(outputs, step)
         pool = scheduler.kv_cache_manager.block_pool
         n = len(pool.blocks)
         running = len(scheduler.running)
@@ -168,6 +172,19 @@ class VllmRecorder:
                          "pages_cached": 0, "num_running": running, "num_waiting": len(scheduler.requests) - running,
                          "num_preemptions": self.preemptions})
         self.ring.flush()
+
+    def _tokens(self, outputs, step: int) -> None:
+        out, done = {}, []
+        for eco in (outputs or {}).values():
+            for o in getattr(eco, "outputs", None) or ():
+                new = list(getattr(o, "new_token_ids", None) or ())
+                rid = str(o.request_id)
+                if new:
+                    out[rid] = len(new) if self.s.record_privacy else new
+                if getattr(o, "finish_reason", None) is not None:
+                    done.append(rid)
+        if out or done:
+            self.ring.write({"k": "tokens", "step": step, "out": out, "finished": done})
 
     # ---- findings and dumps ------------------------------------------------------------------
     def note_finding(self, f: dict) -> None:
