@@ -146,3 +146,37 @@ def test_a_flight_recording_is_the_reference_side(sharp_llama_dir, tmp_path, fau
     # the same recording from the command line, as a path
     from workbench.cli import main
     assert main(["diff", str(tmp_path / "rec"), f"engine:{sharp_llama_dir}"]) == (1 if fault else 0)
+
+
+@pytest.mark.parametrize("case", ["stale_binding", "fp16_kv_overflow", "stale_binding vs transformers"])
+def test_the_layer_curve_names_the_layer_the_corruption_enters(sharp_llama_dir, case):
+    """A fault switched on in B: the corrupt request's hidden states and attention outputs, layer by layer
+    against A's at its first bad token (our engine through a model tap, transformers through forward
+    hooks), stay on their floor until the layer the fault corrupts. fp16_kv_overflow: the layer whose K/V
+    it makes overflow (the middle of 2: 1). stale_binding: the first layer where the stale page holds
+    other K/V than the right one (the prompts share a prefix: the same tokens at the same positions give
+    the same layer-0 K/V, so a stale page can read right there); the shadow probe's dense recompute
+    re-run to that token, an independent method, names the same layer."""
+    fault = case.split()[0]
+    kw = {"kv_cache_dtype": "float16"} if fault == "fp16_kv_overflow" else {}
+    ps = prompts()
+    a = str(sharp_llama_dir) if "transformers" in case else engine(sharp_llama_dir, **kw)
+    b = engine(sharp_llama_dir, **kw)
+    with faults.inject(b, fault) as f:
+        rep = triage(a, b, ps, max_tokens=24, localize=2)
+    df = rep.frame()
+    assert (df.verdict == "corruption").any() and rep.curves, rep.summary()
+    for i, curve in rep.curves.items():
+        want = f.layer if fault == "fp16_kv_overflow" else rep.faults[i]["layer"]
+        assert df.layer[i] == curve["layer"] == want, (i, want, curve)
+        quiet = slice(0, want)
+        assert (curve["at"][quiet] <= 10 * curve["floor"][quiet] + 1e-4).all()        # on its floor before
+        assert "hidden states part at layer" in df.evidence[i]
+    if fault == "fp16_kv_overflow":
+        assert f.layer == 1 and all(df.layer[i] == 1 for i in rep.curves)
+    i = next(iter(rep.curves))
+    fig = rep.layer_curve(i)
+    assert len(fig.data) == 2 and len(fig.data[0].y) == 2                          # at the token, and the floor
+    if i in rep.faults:
+        pm = rep.page_map(i)
+        assert pm.data[0].z.shape[1] == 16 and np.nanmax(pm.data[0].z) > 0          # the positions at fault marked

@@ -46,4 +46,7 @@ def localize(engine, prompts, tokens, request: int, token: int) -> dict | None:
     f = found[0]
     ev = f.evidence or {}
     pages = sorted({int(x) for x in ev.get("pages", [])} | ({int(f.page)} if f.page is not None else set()))
-    return {"layer": f.layer, "pages": pages, "kind": f.kind, "message": f.message}
+    return {"layer": f.layer, "pages": pages, "kind": f.kind, "message": f.message, "probe": f.probe,
+            "positions": sorted({int(x) for x in ev.get("positions", [])} | ({int(ev["position"])} if "position" in ev
+                                                                              else set())),
+            "page_size": engine.pool.page_size, "evidence": ev}

@@ -4,8 +4,8 @@
 2. Side B runs teacher-forced on A's tokens through its own serving path (for an Engine: its
    pages, prefix cache and batching, SamplingParams.forced_token_ids), giving per position the
    log-prob of A's token and B's own top tokens.
-3. The noise floor, measured: each side runs A's tokens again in another batch composition and
-   order (one request at a time, reversed); the 99th percentile of a side's repeat differences is its
+3. The noise floor, measured: each side runs A's tokens again for a sample of the requests
+   (`floor_sample`, 8) in another batch composition and order (see _repeat); the 99th percentile of a side's repeat differences is its
    numeric noise, and the quieter side's is the pair's `floor` (a side that does not repeat itself
    beyond that is named in the summary: a bug that depends on batching does that). A near tie is a
    top-2 margin under `tie` = max(0.5 nats, 8 x floor).
@@ -50,6 +50,9 @@ class TriageReport:
     repeat_noise: dict = field(default_factory=dict)          # side -> its own repeat noise (99th pct)
     rows: list[dict] = field(default_factory=list)
     per_token: list[dict] = field(default_factory=list)      # request -> arrays (delta, margins, flips)
+    seconds: dict = field(default_factory=dict)               # phase -> wall seconds (where the time went)
+    curves: dict = field(default_factory=dict)                # request -> layers.layer_curve() at its first bad token
+    faults: dict = field(default_factory=dict)                # request -> the localising finding's evidence
 
     def frame(self):
         import pandas as pd
@@ -78,6 +81,54 @@ class TriageReport:
                           yaxis_title="request", height=120 + 28 * len(self.per_token))
         return fig
 
+    def layer_curve(self, request: int):
+        """The corrupt request's relative hidden-state difference per layer at its first bad token,
+        and at the token before (each layer's floor); log scale; plotly."""
+        import plotly.graph_objects as go
+        c = self.curves.get(request)
+        if c is None:
+            raise KeyError(f"request {request}: no layer curve (not corrupt, not localised, or a side that "
+                           f"cannot be tapped); curves for {sorted(self.curves)}")
+        layers = list(range(len(c["at"])))
+        cap = lambda x: np.minimum(np.maximum(np.asarray(x, dtype=float), 1e-9), 1e3)   # inf (NaN) drawn at the top
+        row = next(r for r in self.rows if r["request"] == request)
+        fig = go.Figure([go.Scatter(x=layers, y=cap(c["at"]), mode="lines+markers", name=f"token {row['first_token']}"),
+                         go.Scatter(x=layers, y=cap(c["floor"]), mode="lines+markers", name="token before (floor)",
+                                    line={"dash": "dot"})])
+        if c["layer"] is not None:
+            fig.add_vline(x=c["layer"], line_color="red", annotation_text=f"parts at layer {c['layer']}")
+        fig.update_layout(title=f"request {request}: |h_{self.a} - h_{self.b}| / |h_{self.a}| per layer",
+                          xaxis_title="layer", yaxis_title="relative difference", yaxis_type="log")
+        return fig
+
+    def page_map(self, request: int):
+        """The corrupt request's context as its pages (a row per page of its page table, a cell per
+        slot), the positions the localising probe found wrong in red, the page it named outlined;
+        plotly. From the shadow probe's finding at the first bad token."""
+        import plotly.graph_objects as go
+        f = self.faults.get(request)
+        if f is None:
+            raise KeyError(f"request {request}: nothing localised to pages; localised: {sorted(self.faults)}")
+        ev, ps = f.get("evidence") or {}, int(f.get("page_size") or 16)
+        row = next(r for r in self.rows if r["request"] == request)
+        ctx = max([int(ev.get("context") or 0), *(p + 1 for p in f.get("positions") or [0])])
+        n = -(-ctx // ps)
+        z = np.zeros((n, ps))
+        z.flat[ctx:] = np.nan                                           # past the context
+        for p in f.get("positions") or ():
+            z.flat[p] = 2
+        first = ev.get("position")
+        if "rows_wrong" in ev and first is not None:                    # a bad read: every row from there on
+            z.flat[int(first):ctx] = np.maximum(z.flat[int(first):ctx], 1)
+        fig = go.Figure(go.Heatmap(z=z, zmin=0, zmax=2, colorscale=[[0, "#e8f0e8"], [0.5, "#f5b041"], [1, "#c0392b"]],
+                                   showscale=False, xgap=1, ygap=1,
+                                   hovertemplate="page index %{y}, offset %{x}<extra></extra>"))
+        fig.update_layout(title=f"request {request}, layer {row['layer']}: {f['kind']} "
+                                f"(page {ev.get('page')}, position {first}); pages {row['pages']}",
+                          xaxis_title="offset in page", yaxis_title="page index in its page table",
+                          yaxis_autorange="reversed", height=160 + 22 * n)
+        return fig
+
     def summary(self) -> str:
         v = [r["verdict"] for r in self.rows]
         loud = [s for s, x in self.repeat_noise.items() if x > self.jump]
@@ -103,6 +154,66 @@ def as_side(x, name: str):
     return HFSide(x, name=name)
 
 
+def _localize(rep, row, A, B, prompts, tokens, i: int, t: int) -> None:
+    """A corrupt request's layer and pages. The layer curve where both sides can be tapped (our engine,
+    transformers): the first layer whose hidden state leaves its floor; then our engine's shadow probe
+    re-run to that token (dense recompute through every layer): the layer and pages it finds wrong,
+    and the probe that should have caught it."""
+    from .layers import layer_curve
+    from .localize import localize as where
+    curve = layer_curve(A, B, prompts, tokens, i, t)
+    if curve is not None:
+        rep.curves[i] = curve
+        if curve["layer"] is not None:
+            row["layer"] = curve["layer"]
+            row["evidence"] += (f"; hidden states part at layer {curve['layer']} "
+                                f"({curve['at'][curve['layer']]:.1e} relative, floor {curve['floor'][curve['layer']]:.1e})")
+    tap = B if isinstance(B, EngineSide) else A if isinstance(A, EngineSide) else None
+    if tap is None:
+        return
+    found = where(tap.engine, prompts, tokens, i, t)
+    if found is None:
+        return
+    rep.faults[i] = found
+    row["pages"] = found["pages"]
+    if row["layer"] is None:
+        row["layer"] = found["layer"]
+    row["evidence"] += f"; {tap.name}'s shadow check there ({found['probe']} probe, {found['kind']}): {found['message']}"
+
+
+class _Clock:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str, fn, *a, **kw):
+        import time
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def _sample(n: int, k: int) -> list[int]:
+    """k requests spread over the n, last first (the repeat's order is the reverse of the run's)."""
+    k = max(1, min(n, k))
+    return sorted({int(round(x)) for x in np.linspace(0, n - 1, k)}, reverse=True)
+
+
+def _repeat(side, prompts, tokens, sample) -> Run:
+    """The side again, teacher-forced on the same tokens, for the `sample` requests in another batch
+    composition and order: reversed, all together when they are a subset (other batch partners and
+    size), else in halves. The noise floor needs thousands of tokens, not every request: the cost
+    stays a fraction of one pass (64 x 256 tokens: 8 requests repeated)."""
+    size = len(sample) if len(sample) < len(prompts) else max(1, len(sample) // 2)
+    return side.run([prompts[i] for i in sample], 0, forced=[tokens[i] for i in sample], batch=size)
+
+
+def _pick(run: Run, idx) -> Run:
+    return Run([run.tokens[i] for i in idx], [run.logprob[i] for i in idx],
+               [run.top[i] for i in idx] if run.top else [], [run.top_lp[i] for i in idx] if run.top_lp else [])
+
+
 def _noise(r1: Run, r2: Run) -> float:
     """A side's repeat noise: the 99th percentile of its per-token differences between two runs."""
     d = np.nan_to_num(_delta(r1, r2), nan=1e9, posinf=1e9)
@@ -113,8 +224,9 @@ def _delta(r1: Run, r2: Run) -> np.ndarray:
     return np.concatenate([np.abs(a - b) for a, b in zip(r1.logprob, r2.logprob)]) if r1.logprob else np.zeros(0)
 
 
-def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4) -> TriageReport:
+def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sample: int = 8) -> TriageReport:
     """localize: how many corrupt requests to localise to a layer and pages (on a side we can tap).
+    floor_sample: how many requests each side repeats for its noise floor (see _repeat).
     A recording (a path, or RecordingSide) is always the reference: it brings its own prompts
     (`prompts` None) and is judged by the other side alone (see _one_sided)."""
     A, B = as_side(a, "A"), as_side(b, "B")
@@ -128,21 +240,25 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4) -> Triag
     elif prompts is None:
         raise ValueError("triage: prompts are needed unless one side is a recording")
     n = len(prompts)
-    ref = A.run(prompts, max_tokens)
+    clock = _Clock()
+    ref = clock("A greedy", A.run, prompts, max_tokens)
     tokens = ref.tokens
-    fb = B.run(prompts, max_tokens, forced=tokens)
-    back = list(reversed(range(n)))
-    b2 = B.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
+    fb = clock("B teacher-forced", B.run, prompts, max_tokens, forced=tokens)
+    sample = _sample(n, floor_sample)
+    b2 = clock("B repeat", _repeat, B, prompts, tokens, sample)
     if not getattr(A, "has_logprobs", True):
-        return _one_sided(A, B, ref, fb, b2)
-    a2 = A.run(prompts, max_tokens, forced=tokens, order=back, batch=1)
+        rep = _one_sided(A, B, ref, fb, b2, sample)
+        rep.seconds = clock.seconds
+        return rep
+    a2 = clock("A repeat", _repeat, A, prompts, tokens, sample)
     # each side's repeat noise; the pair's floor is the quieter side's: a side whose own repeat differs
     # beyond it is not reproducible across batch compositions (itself a symptom, said in the report)
-    na, nb = _noise(ref, a2), _noise(fb, b2)
+    na, nb = _noise(_pick(ref, sample), a2), _noise(_pick(fb, sample), b2)
     floor = min(na, nb)
     tie = max(0.5, 8 * floor)
     rep = TriageReport(getattr(A, "name", "A"), getattr(B, "name", "B"), floor, tie)
     rep.repeat_noise = {rep.a: na, rep.b: nb}
+    rep.seconds = clock.seconds
     # the pair's typical difference (the median over every token): two implementations (bf16 and fp32,
     # transformers and us) differ everywhere a little; corruption differs at some tokens by far more
     every = _delta(ref, fb)
@@ -178,27 +294,21 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4) -> Triag
                   f"difference {delta.max():.3f} nats at token {int(np.argmax(delta))}")
         row = {"request": i, "verdict": verdict, "first_token": t, "layer": None, "pages": None, "evidence": ev}
         if verdict == "corruption" and localize > 0:
-            tap = B if isinstance(B, EngineSide) else A if isinstance(A, EngineSide) else None
-            if tap is not None:
-                localize -= 1
-                from .localize import localize as where
-                found = where(tap.engine, prompts, tokens, i, t)
-                if found is not None:
-                    row.update(layer=found["layer"], pages=found["pages"])
-                    row["evidence"] += f"; {tap.name}'s shadow check there: {found['message']}"
+            localize -= 1
+            clock("localize", _localize, rep, row, A, B, prompts, tokens, i, t)
         rep.rows.append(row)
         rep.per_token.append({"delta": delta, "margin_a": margin_a, "flips": flips, "corrupt": corrupt})
     return rep
 
 
-def _one_sided(A, B, ref: Run, fb: Run, b2: Run) -> TriageReport:
+def _one_sided(A, B, ref: Run, fb: Run, b2: Run, sample) -> TriageReport:
     """A recording against a side that can be teacher-forced on its tokens. The recording kept no
     log-probs, so B alone judges each recorded token: `pref` = how much B prefers its own top token
     over the recorded one (0 where they agree). A recorded token B rejects by more than 2 x tie
     (the two-sided rule's bound for a token A was sure of) is corruption: no numeric difference the
     floor allows moves a log-prob that far; a flip under it is drift (a near tie on B, which another
     dtype or device may break the other way). The floor is B's own repeat noise."""
-    floor = _noise(fb, b2)
+    floor = _noise(_pick(fb, sample), b2)
     tie = max(0.5, 8 * floor)
     rep = TriageReport(A.name, B.name, floor, tie)
     rep.repeat_noise = {B.name: floor}
