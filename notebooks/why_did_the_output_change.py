@@ -69,5 +69,47 @@ print(report.rows[1]["evidence"])
 # %%
 report.strip()
 
+# %% [markdown]
+# ## 4. Where it starts: the layer curve
+# For the first corrupt request: both sides' hidden states and attention outputs, layer by layer, at its first bad
+# token (our engine through a model tap, in the same batch composition), against the same at the token before (a
+# token both got right: each layer's own floor). The first layer that leaves its floor is where the corruption
+# enters. Here the prompts share a 40-token prefix, so a stale page can hold the very K/V layer 0 expected (the same
+# tokens at the same positions): the curve leaves the floor where the stale page's K/V really differ.
+
+# %%
+bad = next(r["request"] for r in report.rows if r["request"] in report.curves)
+report.layer_curve(bad)
+
+# %% [markdown]
+# ## 5. The page map: which positions, in which page
+# The shadow probe, re-run to that token, recomputes the request densely from its own tokens and compares layer by
+# layer; its finding names the first position (and, for a bad read, every query row from there on), mapped onto the
+# request's page table.
+
+# %%
+print(report.faults[bad]["message"])
+report.page_map(bad)
+
+# %% [markdown]
+# ## 6. Production's own record: a flight recording as side A
+# The engine that served production kept a flight recording (`EngineConfig.record_dir`): the prompts and the tokens
+# it produced. Triage takes the recording itself as the reference and a clean engine, teacher-forced on the recorded
+# tokens, as the judge: a recorded token the clean engine rejects by more than twice the near-tie bound is
+# corruption. Here production ran with the stale block table; nobody kept its log-probs.
+
+# %%
+rec_dir = Path(tempfile.mkdtemp(prefix="diverge-rec-")) / "prod"
+prod = Engine.from_pretrained(model, EngineConfig(num_pages=256, record_dir=str(rec_dir)))
+from workbench import SamplingParams
+with faults.inject(prod, "stale_binding"):
+    prod.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+prod.recorder.close()
+from_recording = triage(str(rec_dir), Engine.from_pretrained(model, EngineConfig(num_pages=256)))
+print(from_recording.summary())
+from_recording.frame()[["request", "verdict", "first_token", "evidence"]]
+
 # %%
 assert any(r["verdict"] == "corruption" and r["layer"] is not None for r in report.rows)
+assert report.curves[bad]["layer"] is not None and report.faults[bad]["pages"]
+assert any(r["verdict"] == "corruption" for r in from_recording.rows)
