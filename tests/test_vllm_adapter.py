@@ -13,6 +13,7 @@ import json
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 from workbench.adapters.vllm.faults import write_fault_file
@@ -149,7 +150,7 @@ def test_our_engine_against_this_vllm_is_drift_or_identical(served):
     from workbench.diverge import VllmSide, triage
     _, server, _ = served
     eng = Engine.from_default(EngineConfig(num_pages=512))
-    prompts = [eng.tokenizer.encode(SYSTEM + q) for q in QUESTIONS[:4]]
+    prompts = [eng.tokenizer.encode(SYSTEM + q) for q in QUESTIONS[:3]]
     rep = triage(eng, VllmSide(server.url, model="smollm2", name="vllm"), prompts, max_tokens=12, localize=0)
     df = rep.frame()
     assert set(df.verdict) <= {"identical", "drift"}, (rep.summary(), df.evidence.tolist())
@@ -157,14 +158,23 @@ def test_our_engine_against_this_vllm_is_drift_or_identical(served):
     # vLLM's own greedy run of those prompts, in its flight recording with what it produced: as the
     # reference side against our engine (teacher-forced on the recorded tokens) drift or identical too
     from workbench.diverge import RecordingSide
-    greedy = VllmSide(server.url, model="smollm2").run(prompts, 12).tokens
+    # vLLM as side A: its own greedy tokens through its decode path, with its sampler's log-probs
+    va = VllmSide(server.url, model="smollm2", name="vllm")
+    greedy_run = va.run(prompts[:1], 12)
+    assert len(greedy_run.tokens[0]) == 12 and np.isfinite(greedy_run.logprob[0]).all() and (greedy_run.logprob[0] <= 0).all()
+    assert (greedy_run.top[0][:, 0] == np.asarray(greedy_run.tokens[0])).mean() > 0.9       # greedy: its own top token
+    rev = triage(va, eng, prompts, max_tokens=12, localize=0)
+    greedy = rev.tokens
+    assert set(rev.frame().verdict) <= {"identical", "drift"}, (rev.summary(), rev.frame().evidence.tolist())
     from workbench.recorder.reader import open_recording
     d = max((p for p in server.record_root.iterdir() if p.is_dir() and p.name.startswith("vllm-")), key=lambda p: p.stat().st_mtime)
     want = [q["id"] for q in open_recording(d).requests if q.get("prompt_token_ids") in prompts
             and (q.get("output_len") or 0) > 1]
     side = RecordingSide(d, requests=want)
     assert len(side.ids) >= len(prompts) and not side.skipped, side.skipped
-    assert sorted(side.tokens) == sorted(greedy)                          # the tokens the client got back
+    # the tokens the client got back, each run's (vLLM's bf16 greedy text may differ between two runs of the
+    # same prompt in other batch compositions: the recording keeps both)
+    assert all(g in side.tokens for g in greedy)
     rec_rep = triage(side, eng, max_tokens=12)
     assert set(rec_rep.frame().verdict) <= {"identical", "drift"}, rec_rep.frame().evidence.tolist()
 

@@ -10,8 +10,9 @@ serving path, so that a paged-KV bug corrupts what it reads exactly as in produc
               compositions the noise floor is measured over
   HFSide      a Hugging Face model directory (transformers): one dense forward over prompt + tokens,
               float32, no cache: the reference
-  VllmSide    a vLLM server (its OpenAI completions API): prompt_logprobs over prompt + tokens (its
-              prefill), greedy at temperature 0 with return_token_ids
+  VllmSide    a vLLM server (its OpenAI completions API): greedy through its decode path with its
+              sampler's log-probs; teacher-forced by prompt_logprobs over prompt + tokens (its prefill)
+  RecordingSide  a flight recording: the tokens production produced, the reference (no log-probs)
 """
 from __future__ import annotations
 
@@ -96,9 +97,11 @@ class HFSide:
 class VllmSide:
     """A vLLM server through its OpenAI completions API: token ids in, `prompt_logprobs` out.
 
-    Teacher forcing is vLLM's prompt_logprobs over prompt + the forced tokens (one prefill: vLLM's
-    decode path is not what is compared, its prefill, sampler-free log-probs are); greedy is
-    temperature 0 with `return_token_ids`. `batch` requests are in flight at once (vLLM batches
+    Greedy (side A) is vLLM's decode path: temperature 0 with `return_token_ids` and its sampler's
+    log-probs (`logprobs`, `return_tokens_as_token_ids`). Teacher forcing (side B, and the repeats)
+    is prompt_logprobs over prompt + the forced tokens: vLLM's prefill, its API has no forced
+    decode, so a bug only in vLLM's decode path shows when vLLM is side A (its own tokens then go
+    wrong where the other side is sure). `batch` requests are in flight at once (vLLM batches
     them), in `order`: the compositions the noise floor is measured over."""
 
     def __init__(self, url: str, model: str | None = None, name: str = "vllm", top_k: int = 5,
@@ -126,21 +129,27 @@ class VllmSide:
 
     def _one(self, p, max_tokens: int, f):
         p = [int(x) for x in p]
-        if f is None:
+        if f is None:                 # greedy: vLLM's decode path, its sampler's own log-probs per token
             c = self._post({"model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "return_token_ids": True})
+                            "ignore_eos": True, "return_token_ids": True, "logprobs": self.top_k,
+                            "return_tokens_as_token_ids": True})
             f = [int(x) for x in c["token_ids"]]
-        f = [int(x) for x in f]
-        c = self._post({"model": self.model, "prompt": p + f, "max_tokens": 1, "temperature": 0,
-                        "prompt_logprobs": self.top_k})
-        pl = c["prompt_logprobs"]
-        lp, top, top_lp = [], [], []
-        for j, tok in enumerate(f):
-            d = {int(k): v["logprob"] for k, v in pl[len(p) + j].items()}
-            lp.append(d[tok])
+            lps = c["logprobs"]
+            steps = [{int(k.split(":", 1)[1]): v for k, v in d.items()} for d in lps["top_logprobs"]]
+            lp = [float(x) for x in lps["token_logprobs"]]
+        else:                         # teacher-forced: prompt_logprobs over prompt + f (vLLM's prefill)
+            f = [int(x) for x in f]
+            c = self._post({"model": self.model, "prompt": p + f, "max_tokens": 1, "temperature": 0,
+                            "prompt_logprobs": self.top_k})
+            steps = [{int(k): v["logprob"] for k, v in c["prompt_logprobs"][len(p) + j].items()} for j in range(len(f))]
+            lp = [steps[j][tok] for j, tok in enumerate(f)]
+        top, top_lp = [], []
+        for d in steps:
             best = sorted(d.items(), key=lambda kv: -kv[1])[:self.top_k]
             top.append([k for k, _ in best])
             top_lp.append([v for _, v in best])
+        # vLLM writes -inf as -9999 (JSON); a log-prob that low is not finite for the triage
+        lp = [x if x > -9999 else -np.inf for x in lp]
         return f, np.asarray(lp), np.asarray(top), np.asarray(top_lp)
 
     def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:

@@ -51,6 +51,7 @@ class TriageReport:
     rows: list[dict] = field(default_factory=list)
     per_token: list[dict] = field(default_factory=list)      # request -> arrays (delta, margins, flips)
     seconds: dict = field(default_factory=dict)               # phase -> wall seconds (where the time went)
+    tokens: list = field(default_factory=list)                # per request, A's tokens (what B was forced on)
     curves: dict = field(default_factory=dict)                # request -> layers.layer_curve() at its first bad token
     faults: dict = field(default_factory=dict)                # request -> the localising finding's evidence
 
@@ -248,7 +249,7 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     b2 = clock("B repeat", _repeat, B, prompts, tokens, sample)
     if not getattr(A, "has_logprobs", True):
         rep = _one_sided(A, B, ref, fb, b2, sample)
-        rep.seconds = clock.seconds
+        rep.seconds, rep.tokens = clock.seconds, tokens
         return rep
     a2 = clock("A repeat", _repeat, A, prompts, tokens, sample)
     # each side's repeat noise; the pair's floor is the quieter side's: a side whose own repeat differs
@@ -258,7 +259,7 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     tie = max(0.5, 8 * floor)
     rep = TriageReport(getattr(A, "name", "A"), getattr(B, "name", "B"), floor, tie)
     rep.repeat_noise = {rep.a: na, rep.b: nb}
-    rep.seconds = clock.seconds
+    rep.seconds, rep.tokens = clock.seconds, tokens
     # the pair's typical difference (the median over every token): two implementations (bf16 and fp32,
     # transformers and us) differ everywhere a little; corruption differs at some tokens by far more
     every = _delta(ref, fb)
