@@ -99,8 +99,17 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["default_model"] = str(model) if model else None
     report["default_model_bytes"] = model.stat().st_size if model else None
     report["default_model_dist"] = _dist_version(DEFAULT_MODEL_DIST)
-    from workbench.engine.attention import get_backend, native
-    report["attention_backend"] = get_backend(dev.type, 4, 2, 16).name
+    from workbench.engine.attention import native
+    # What a default engine on this device would run (engine.kernels is the same, read from a real
+    # engine): built by the constructors the engine uses, so the rows below cannot disagree with it.
+    from workbench.engine.kernels import selection
+    try:
+        sel = selection.probe(device=dev)
+        report["kernel_selection"] = sel.as_dict()
+        report["attention_backend"] = sel.attention.split()[0]
+    except Exception as exc:  # an accelerator the probe cannot build on must not take doctor down
+        sel, report["kernel_selection"] = None, {"error": f"{type(exc).__name__}: {exc}"}
+        report["attention_backend"] = "unknown"
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
     from workbench.engine import cpu_bf16, skinny_gemm
@@ -257,6 +266,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; oneDNN above; "
                     f"{report['quant_layout']}"),
     ]
+    ks = report["kernel_selection"]
+    if "error" in ks:
+        rows.append(("KernelSelection", f"unknown ({ks['error']})"))
+    else:
+        from workbench.engine.kernels import KernelSelection
+        sel = KernelSelection(**ks)
+        rows.append(("KernelSelection", f"{sel.short()} (what a default engine runs here: engine.kernels)"))
+        rows += [(f"  kernel {k}", v) for k, v in sel.rows()]
     width = max(len(k) for k, _ in rows) + 1
     print("kvwb doctor")
     for key, value in rows:

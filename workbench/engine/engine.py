@@ -26,6 +26,7 @@ from .batch import PackedBatch
 from .config import EngineConfig
 from .device import resolve_device
 from .attention import resolve_choice
+from .kernels.selection import from_engine as kernel_selection
 from .kv_cache import torch_dtype
 from .kv_manager import pages_for
 from .model import LlamaModel
@@ -111,6 +112,7 @@ class Engine:
         self.capture = consumers.from_config(self)
         self.recorder = consumers.recorder_from_config(self)
         self._publish_stats()       # sharded: stats() has a snapshot before the first step
+        log.info("kernels: %s", self.kernels.short())
         log.info("KV pool: %d pages x %d tokens, %.1f MiB (%s, %s), max_model_len %d",
                  self.num_pages, config.page_size, self.kv.total_bytes / 2**20, self.kv_dtype, self.device,
                  self.max_model_len)
@@ -122,6 +124,9 @@ class Engine:
         self.pool, self.kv_manager, self.scheduler = stack.pool, stack.kv_manager, stack.scheduler
         self.kv, self.builder, self.attn = stack.kv, stack.builder, stack.attn
         self.last_batch = None
+        # Which kernels run (attention, linear, pool ops, bf16), read back from the parts just built:
+        # decided here once, not per step; kvwb doctor and the dashboard show it.
+        self.kernels = kernel_selection(self)
         if hasattr(self, "model_hooks"):          # re-paged: rewire the pool observer and hooks
             self.model_hooks.kv_bytes_per_page_layer = self.kv.bytes_per_page // max(1, self.model_config.num_layers)
             instrumentation.refresh(self)

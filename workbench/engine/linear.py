@@ -18,12 +18,12 @@ Each layout is checked against F.linear once at load and dropped if it disagrees
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from . import quant_layout, skinny_gemm
+from .kernels import SKINNY_GEMM
+from .kernels.loader import switched_off
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
@@ -43,7 +43,7 @@ _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the una
 
 
 def _onednn_usable(w: torch.Tensor) -> bool:
-    if os.environ.get("PAGEDKV_LINEAR", "auto") == "torch":
+    if switched_off(SKINNY_GEMM.spec):             # PAGEDKV_LINEAR=torch: F.linear, no oneDNN either
         return False
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()

@@ -16,28 +16,19 @@ Python, the reference, and in C with the same arguments and results:
     hash_chain(root, parent, blocks) -> [(hash, block), ...]  each hash((previous or root, block))
     count_free(is_free, pages) -> int             how many of pages are on the free queue
 
-The C source is compiled once per machine with the interpreter's own compiler settings (~1 s)
-into $PAGEDKV_EXTENSIONS_DIR or ~/.cache/pagedkv-workbench/pool_ops, rebuilt when it changes.
-No compiler, or PAGEDKV_POOL=python: the Python functions run, same results, slower.
+The C source is compiled once per machine with the interpreter's C compiler (~1 s) by the
+kernels loader (engine/kernels/), into a cache entry under $PAGEDKV_EXTENSIONS_DIR or
+~/.cache/pagedkv-workbench/torch_extensions keyed by the source, compiler, torch and Python.
+No compiler, PAGEDKV_POOL=python, or a refused build: the Python functions run, same results, slower.
 tests/test_page_pool.py runs the pool on both.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
-import importlib.util
-import logging
-import os
-import shlex
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-log = logging.getLogger(__name__)
+from . import kernels
 
 NIL = -1
 SOURCE = Path(__file__).with_name("csrc") / "pool_ops.c"
@@ -145,54 +136,36 @@ PYTHON = SimpleNamespace(name="python", take=take, release=release, register_cha
 
 # ---- the compiled twin --------------------------------------------------------------------
 def build_dir() -> Path:
-    env = os.environ.get("PAGEDKV_EXTENSIONS_DIR")
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return (Path(env) if env else Path(xdg) / "pagedkv-workbench") / "pool_ops"
+    """Where the compiled loops' cache entries live (the one kernels cache, engine/kernels/cache.py)."""
+    return kernels.build_dir()
 
 
-def _build(source: Path = SOURCE, name: str = "pagedkv_pool_ops") -> Path:
-    src = source.read_bytes()
-    tag = hashlib.sha256(src + sys.version.encode() + str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
-    out_dir = build_dir()
-    so = out_dir / f"{name}-{tag.hexdigest()[:16]}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    if so.exists():
-        return so
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        cmd = cc + ["-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:1])} failed: {(done.stderr or done.stdout).strip()[-400:]}")
-        os.replace(tmp, so)                   # atomic: a concurrent build (advisor workers) reads a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return so
+_EXTRA: dict = {}                               # load_extension's specs for sources not in kernels.ALL
 
 
 def load_extension(source: Path, name: str):
-    """Compile (once per machine and source) and import the C module `name` from `source`."""
-    so = _build(source, name)
-    loader = importlib.machinery.ExtensionFileLoader(name, str(so))
-    spec = importlib.util.spec_from_file_location(name, str(so), loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    """The C module `name` from `source`, through the kernels loader (built once per machine and
+    source, refused when built for CPU features this one lacks); raises with the reason."""
+    for k in kernels.ALL.values():
+        if k.spec.name == name and k.spec.sources == (Path(source),):
+            return k.require()
+    if name not in _EXTRA:
+        _EXTRA[name] = kernels.Kernel(kernels.Spec(name, (Path(source),), f"compiled {name}", kind="c",
+                                                   flags=kernels.extensions.C_FLAGS, headers=()),
+                                      fallback="the Python loops")
+    return _EXTRA[name].require()
 
 
 def _load():
-    mod = load_extension(SOURCE, "pagedkv_pool_ops")
+    mod = kernels.POOL_OPS.require()
     return SimpleNamespace(name="compiled", take=mod.take, release=mod.release, register_chain=mod.register_chain,
                            walk=mod.walk, hash_chain=mod.hash_chain, count_free=mod.count_free)
 
 
 class CompiledOnce:
-    """A C twin of some Python loops (python: their namespace), built and loaded on first use by
-    make(); None, with the reason, where it cannot be (no compiler, no headers, a read-only
-    cache, PAGEDKV_POOL=python)."""
+    """A C twin of some Python loops (python: their namespace), made on first use by make() from
+    the module the kernels loader hands it; None, with the reason, where there is none (no compiler,
+    a read-only cache, PAGEDKV_POOL=python, a refused build: the loader says which)."""
 
     def __init__(self, make, what: str, python):
         self._make, self._what, self.python = make, what, python
@@ -205,14 +178,10 @@ class CompiledOnce:
             with self._lock:
                 if "ops" not in self.state:
                     ops, why = None, None
-                    if os.environ.get("PAGEDKV_POOL", "auto") == "python":
-                        why = "PAGEDKV_POOL=python"
-                    else:
-                        try:
-                            ops = self._make()
-                        except Exception as e:
-                            why = f"{type(e).__name__}: {e}"
-                            log.warning("compiled %s unavailable (%s): using the Python ones", self._what, why)
+                    try:
+                        ops = self._make()
+                    except Exception as e:    # the loader logged it (a refusal names the missing features)
+                        why = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
                     self.state["ops"], self.state["why"] = ops, why
         return self.state["ops"]
 

@@ -1,5 +1,5 @@
 """The scheduler's and the simulator's per-sequence loops: Python here, compiled (csrc/seq_ops.c)
-when a C compiler is at hand (built and loaded as pool_ops.py's loops are).
+when a C compiler is at hand (built and loaded by the kernels loader, as pool_ops.py's loops are).
 
 Every step walks every running sequence twice: the scheduler, to give each its next tokens
 (most are decodes whose last page still has room), and the simulator, to advance each by
@@ -21,16 +21,15 @@ the same arguments, results and attribute writes in Python (the reference) and i
         slots left empty in the running sequences' last pages, and the pages they map (a replay's
         per-step row)
 
-No compiler, or PAGEDKV_POOL=python: the Python functions run, same results, slower.
+No compiler, PAGEDKV_POOL=python or a refused build: the Python functions run, same results, slower.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
-from . import pool_ops
+from . import kernels, pool_ops
 
-SOURCE = Path(__file__).with_name("csrc") / "seq_ops.c"
+SOURCE = kernels.SEQ_OPS.spec.sources[0]
 
 
 def fit_running(running, i, budget, ps, out):
@@ -85,7 +84,7 @@ PYTHON = SimpleNamespace(name="python", **{k: globals()[k] for k in _NAMES})
 
 
 def _load():
-    mod = pool_ops.load_extension(SOURCE, "pagedkv_seq_ops")
+    mod = kernels.SEQ_OPS.require()
     return SimpleNamespace(name="compiled", **{k: getattr(mod, k) for k in _NAMES})
 
 

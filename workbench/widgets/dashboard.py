@@ -16,6 +16,7 @@ PoolState.from_engine returns, vectorised).
 """
 from __future__ import annotations
 
+import html
 import time
 from typing import Any, Callable
 
@@ -117,7 +118,10 @@ class Dashboard:
         self.table.on_select.append(self._on_finding)
         self.table.on_clear.append(self._on_finding_gone)
         self.timelines.on_cursor.append(self._on_timeline_click)
-        self.widget = W.VBox([W.HTML(f"<b>{title}</b>"), self.status,
+        # which kernels the engine runs (engine.kernels, decided once at start-up), beside the title
+        ks = getattr(engine, "kernels", None)
+        kline = f" <span style='font-size:11px;color:#555'>kernels: {html.escape(ks.short())}</span>" if ks else ""
+        self.widget = W.VBox([W.HTML(f"<b>{title}</b>{kline}"), self.status,
                               W.HBox([self.play, self.slider, self.follow]),
                               W.HBox([self.page_map] + ([self.ranks.widget] if self.ranks is not None else [])
                                      + [self.table.widget],

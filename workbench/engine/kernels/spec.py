@@ -1,0 +1,36 @@
+"""What one native extension is: its sources, how it is compiled, and the switch that turns it off."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CSRC = Path(__file__).parents[1] / "csrc"              # engine/csrc: the shared headers and the C loops
+ATTENTION_CSRC = Path(__file__).parents[1] / "attention" / "csrc"
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str                       # the module name (PyInit_<name> / TORCH_EXTENSION_NAME)
+    sources: tuple[Path, ...]
+    what: str                       # for messages: "compiled CPU attention"
+    kind: str = "torch"             # "torch": C++ through torch.utils.cpp_extension; "c": a plain CPython module
+    flags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    headers: tuple[Path, ...] = field(default_factory=lambda: tuple(sorted(CSRC.glob("*.h"))))
+    # the env var (and value) that keeps the Python / torch path: the only place each is read
+    switch: tuple[str, str] | None = None
+
+    @property
+    def for_this_cpu(self) -> bool:
+        """Whether the build uses this CPU's instruction set (-march=native): then its manifest lists
+        the CPU's features and a CPU without one of them must not load it."""
+        return any(f in ("-march=native", "-mcpu=native") for f in self.flags)
+
+    def source_hash(self) -> str:
+        """sha256 over the sources and the headers they may include: the compilers' own caches
+        (torch's ninja) track sources, not headers, so a header edit must change the key."""
+        h = hashlib.sha256()
+        for p in (*self.sources, *sorted(self.headers)):
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        return h.hexdigest()
