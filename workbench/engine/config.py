@@ -12,6 +12,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp16_scaled",)
 PAGE_TABLE_LOCKS = ("global", "sharded")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "npu")
+LINEAR_BACKENDS = ("auto", "torch")
+POOL_OPS = ("auto", "python")
+BF16_MODES = ("auto", "native", "storage")
+HUGEPAGES = ("auto", "off")
+QUANT_LAYOUTS = ("auto", "off")
+TP_ALLREDUCE = ("auto", "shm", "gloo")
 # torch_npu's paged ops (attention/npu_double.py says where each limit is documented):
 NPU_DTYPES = ("bfloat16", "float16")   # the paged ops' query / KV dtypes (no float32)
 NPU_BLOCK_SIZE_MULTIPLE = 16  # _npu_paged_attention and the fused op: block_size % 16 == 0
@@ -61,6 +67,23 @@ class EngineConfig:
     # this many ranks (whole GQA groups per rank, unevenly when they do not divide: see
     # workbench/engine/parallel/shard.py), rank 0 drives; 1 = one device, no process group.
     tensor_parallel_size: int = 1
+    # Kernel and memory switches (engine/env.py: the PAGEDKV_* variable that overrides each).
+    # "torch": F.linear at every size, no compiled skinny GEMM and no oneDNN prepacking.
+    linear_backend: str = "auto"
+    # "python": the page pool's and scheduler's Python loops, not their compiled C twins.
+    pool_ops: str = "auto"
+    # bfloat16 on a CPU: "native" bf16 GEMMs or "storage" (bf16 weights and KV computed in
+    # float32); "auto": native where the CPU has avx512_bf16 or AMX (engine/cpu_bf16.py).
+    bf16_mode: str = "auto"
+    # "off": the KV cache in 4 KiB pages, not transparent huge pages (engine/hugepages.py).
+    hugepages: str = "auto"
+    # "off": float32 decode streams float32 weights, not a GGUF's own blocks (engine/quant_layout.py).
+    quant_layout: str = "auto"
+    # Tensor parallel: the all-reduce path ("shm": shared memory on one host, "gloo"), how long the
+    # ranks may take to load and shard, and how long one may take to answer a step.
+    tp_allreduce: str = "auto"
+    tp_startup_s: float = 600.0
+    tp_timeout_s: float = 120.0
     # Escape hatch for the slow_page_size fault: production ran with page_size=12 for weeks.
     allow_unsupported_page_size: bool = field(default=False, repr=False)
 
@@ -108,6 +131,15 @@ class EngineConfig:
             raise ConfigError(f"page_table_lock={self.page_table_lock!r} is not one of {PAGE_TABLE_LOCKS}")
         if not isinstance(self.record_max_bytes, int) or self.record_max_bytes < 4096:
             raise ConfigError(f"record_max_bytes must be an int >= 4096, got {self.record_max_bytes!r}")
+        for name, allowed in (("linear_backend", LINEAR_BACKENDS), ("pool_ops", POOL_OPS), ("bf16_mode", BF16_MODES),
+                              ("hugepages", HUGEPAGES), ("quant_layout", QUANT_LAYOUTS),
+                              ("tp_allreduce", TP_ALLREDUCE)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("tp_startup_s", "tp_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive int, got {tp!r}")

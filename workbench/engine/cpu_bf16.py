@@ -10,14 +10,16 @@ in float32 ("storage"): the skinny GEMM widens bf16 weights in registers at deco
 pages are widened as the attention kernels read them. The widening is exact, so the
 results are those of a float32 model whose weights were rounded to bf16 once: within
 bf16's tolerance of the float32 model, closer to it than bf16 arithmetic. The mode is
-decided once per process; PAGEDKV_BF16=native|storage overrides it (tests, A/B runs).
+decided from the CPU; EngineConfig.bf16_mode="native"|"storage" (or PAGEDKV_BF16) forces one
+(tests, A/B runs).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from . import env
 
 MODES = ("native", "storage")
 
@@ -45,33 +47,37 @@ def _hardware() -> tuple[bool, str]:
 
 
 def hardware_native() -> bool:
-    """Whether this CPU has native bf16 GEMMs (avx512_bf16 or AMX), whatever PAGEDKV_BF16 says."""
+    """Whether this CPU has native bf16 GEMMs (avx512_bf16 or AMX), whatever bf16_mode says."""
     return _hardware()[0]
 
 
-def mode(device: torch.device | str = "cpu") -> str:
+def _forced(setting: str | None) -> str:
+    """EngineConfig.bf16_mode as given; None (a caller without a config): PAGEDKV_BF16's, else auto."""
+    return env.value("PAGEDKV_BF16") if setting is None else setting
+
+
+def mode(device: torch.device | str = "cpu", setting: str | None = None) -> str:
     """'native' or 'storage' for bfloat16 on this device (non-CPU devices: always native)."""
     if torch.device(device).type != "cpu":
         return "native"
-    forced = os.environ.get("PAGEDKV_BF16", "").strip().lower()
-    if forced:
-        if forced not in MODES:
-            raise ValueError(f"PAGEDKV_BF16={forced!r}: expected one of {', '.join(MODES)}")
+    forced = _forced(setting)
+    if forced in MODES:
         return forced
     return "native" if _hardware()[0] else "storage"
 
 
-def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu", setting: str | None = None) -> torch.dtype:
     """The dtype activations are computed in for a model stored in `dtype` on `device`."""
-    if dtype == torch.bfloat16 and mode(device) == "storage":
+    if dtype == torch.bfloat16 and mode(device, setting) == "storage":
         return torch.float32
     return dtype
 
 
-def describe(device: torch.device | str = "cpu") -> str:
+def describe(device: torch.device | str = "cpu", setting: str | None = None) -> str:
     """One line for `kvwb doctor` and the benchmarks: the mode and why."""
-    m = mode(device)
-    why = "PAGEDKV_BF16 set" if os.environ.get("PAGEDKV_BF16") else _hardware()[1]
+    m = mode(device, setting)
+    forced = _forced(setting)
+    why = f"bf16_mode={forced!r}" if forced in MODES else _hardware()[1]
     if m == "native":
         return f"native: bf16 GEMMs with fp32 accumulate, bf16 KV pages ({why})"
     return (f"storage: bf16 weights and KV pages, computed in fp32 ({why}); "

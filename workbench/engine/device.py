@@ -13,7 +13,7 @@ meanwhile (the share of its CPU time that other work took, from /proc/stat);
 a figure that is stale, was measured on a busy host, or that a caller found
 implausible (a step beat it) is measured again, best of a few short runs.
 
-Environment variables:
+Environment variables (read through engine/env.py, whose table lists every PAGEDKV_* one):
 
 ``PAGEDKV_DEVICE``
     overrides what ``resolve_device("auto")`` picks (e.g. ``cpu`` to force CPU
@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+
+from . import env
 
 __all__ = [
     "DeviceLike",
@@ -107,7 +109,7 @@ def _import_torch_npu():
     if getattr(held, "IS_DOUBLE", False):
         return held
     real = _import_real_torch_npu()
-    if real is not None or os.environ.get("PAGEDKV_NPU_DOUBLE", "") != "1":
+    if real is not None or env.value("PAGEDKV_NPU_DOUBLE") != "1":
         return real
     from .attention import npu_double
     return npu_double.install()
@@ -266,8 +268,8 @@ def resolve_device(name: DeviceLike = "auto") -> torch.device:
     spec = name.strip().lower()
 
     if spec == "auto":
-        override = os.environ.get("PAGEDKV_DEVICE", "").strip()
-        if override and override.lower() != "auto":
+        override = env.value("PAGEDKV_DEVICE")        # the Engine applied it to its config already
+        if override.lower() != "auto":
             return resolve_device(override)
         if npu_available():
             return torch.device("npu", 0)
@@ -518,9 +520,9 @@ _CACHE_FILE = "peaks.json"
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("PAGEDKV_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
+    moved = env.value("PAGEDKV_CACHE_DIR")
+    if moved:
+        return Path(moved).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedkv-workbench"
 

@@ -21,7 +21,7 @@ from ..events import (BatchPacked, BlockTableBound, EngineIdle, EventBus, StepFa
                       StepFinished, now_ns)
 from ..events import RequestRejected as RequestRejectedEvent
 from ..locks import InstrumentedLock
-from . import consumers, instrumentation, lifecycle
+from . import consumers, env, instrumentation, lifecycle
 from .batch import PackedBatch
 from .config import EngineConfig
 from .device import resolve_device
@@ -46,7 +46,11 @@ Prompt = "str | list[int] | list[dict]"
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        self.config = config = config or EngineConfig()
+        # The PAGEDKV_* overrides (engine/env.py), applied here once: every part below reads the config.
+        config, self.env_overrides = env.apply(config or EngineConfig())
+        if self.env_overrides:
+            log.info("environment overrides: %s", ", ".join(self.env_overrides.values()))
+        self.config = config
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
@@ -70,7 +74,7 @@ class Engine:
             npu = resolve_choice(self.device.type, config.attention_backend) == "npu"
             self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
                                     max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None,
-                                    quantized=loaded.quantized)
+                                    quantized=loaded.quantized, switches=config)
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
         self._install(build_stack(config, pool_pages(config, mc), stack_mc, self.device, self.max_model_len))
         if self.parallel is not None:

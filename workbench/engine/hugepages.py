@@ -14,23 +14,29 @@ mmap, madvise(MADV_HUGEPAGE), then zeroed, as torch.zeros would). Same bytes, sa
 only the page size changes.
 
 Linux with /sys/kernel/mm/transparent_hugepage/enabled set to "always" or "madvise"; elsewhere,
-or with PAGEDKV_HUGEPAGES=off, torch.zeros.
+or with EngineConfig.hugepages="off" (PAGEDKV_HUGEPAGES=off), torch.zeros.
 """
 from __future__ import annotations
 
 import mmap
-import os
 from pathlib import Path
 
 import torch
+
+from . import env
 
 HUGE_PAGE = 2 << 20
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _state: dict = {}
 
 
-def enabled() -> bool:
-    if os.environ.get("PAGEDKV_HUGEPAGES", "auto") == "off":
+def _off(setting: str | None) -> bool:
+    """EngineConfig.hugepages as given; None (a caller without a config): PAGEDKV_HUGEPAGES's."""
+    return (env.value("PAGEDKV_HUGEPAGES") if setting is None else setting) == "off"
+
+
+def enabled(setting: str | None = None) -> bool:
+    if _off(setting):
         return False
     if "thp" not in _state:
         try:
@@ -41,11 +47,11 @@ def enabled() -> bool:
     return _state["thp"]
 
 
-def describe() -> str:
+def describe(setting: str | None = None) -> str:
     """One line for `kvwb doctor`."""
-    if os.environ.get("PAGEDKV_HUGEPAGES", "auto") == "off":
-        return "4 KiB pages (PAGEDKV_HUGEPAGES=off)"
-    if enabled():
+    if _off(setting):
+        return "4 KiB pages (hugepages='off' or PAGEDKV_HUGEPAGES=off)"
+    if enabled(setting):
         return "2 MiB transparent huge pages for the KV cache"
     return "4 KiB pages (transparent huge pages are off or absent on this system)"
 
@@ -59,14 +65,14 @@ def _buffer(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def zeros(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.zeros(shape, dtype), in huge pages where they apply (CPU, >= 2 MiB, enabled())."""
+def zeros(shape, dtype: torch.dtype, device: torch.device | str = "cpu", setting: str | None = None) -> torch.Tensor:
+    """torch.zeros(shape, dtype), in huge pages where they apply (CPU, >= 2 MiB, enabled(setting))."""
     device = torch.device(device)
     n = 1
     for s in shape:
         n *= int(s)
     nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled():
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled(setting):
         return torch.zeros(shape, dtype=dtype, device=device)
     return _buffer(nbytes).view(dtype).view(shape)
 

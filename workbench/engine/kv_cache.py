@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hugepages
+from . import hugepages as _hugepages
 from .kv_scale import attach_scale
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,11 +21,13 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, scaled: bool = False):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, scaled: bool = False,
+                 hugepages: str | None = None):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # On a CPU in 2 MiB pages (hugepages.py): decode reads pages scattered through the pool.
-        self.k = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [hugepages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        # On a CPU in 2 MiB pages (hugepages.py; EngineConfig.hugepages="off": torch.zeros): decode
+        # reads pages scattered through the pool.
+        self.k = [_hugepages.zeros(shape, dtype, device, hugepages) for _ in range(num_layers)]
+        self.v = [_hugepages.zeros(shape, dtype, device, hugepages) for _ in range(num_layers)]
         self.dtype = dtype
         self.num_pages, self.page_size = num_pages, page_size
         self.bytes_per_page = page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)

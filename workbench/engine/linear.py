@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import quant_layout, skinny_gemm
-from .kernels import SKINNY_GEMM
-from .kernels.loader import switched_off
+from . import env, quant_layout, skinny_gemm
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
@@ -42,8 +40,8 @@ NATIVE_BF16_WIDENING_ROWS = 4
 _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the unary epilogues
 
 
-def _onednn_usable(w: torch.Tensor) -> bool:
-    if switched_off(SKINNY_GEMM.spec):             # PAGEDKV_LINEAR=torch: F.linear, no oneDNN either
+def _onednn_usable(w: torch.Tensor, backend: str) -> bool:
+    if backend == "torch":                         # linear_backend / PAGEDKV_LINEAR=torch: F.linear, no oneDNN either
         return False
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
@@ -56,10 +54,14 @@ def _agrees(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x @ W.T + b, with W [out, in]; computed in `compute_dtype` (default W's dtype)."""
+    """y = x @ W.T + b, with W [out, in]; computed in `compute_dtype` (default W's dtype).
+    `backend` / `layout`: EngineConfig.linear_backend / quant_layout (None: the environment's
+    override, else auto)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype | None = None, quant: quant_layout.QuantBlocks | None = None):
+                 compute_dtype: torch.dtype | None = None, quant: quant_layout.QuantBlocks | None = None,
+                 backend: str | None = None, layout: str | None = None):
+        backend = env.value("PAGEDKV_LINEAR") if backend is None else backend
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         self.compute_dtype = compute_dtype or weight.dtype
@@ -77,13 +79,13 @@ class Linear:
         x = torch.randn(3, self.in_features, dtype=self.compute_dtype, device=self.device)
         ref = F.linear(x, weight.to(self.compute_dtype), self.bias)
         native_bf16 = self.device.type == "cpu" and self.compute_dtype == self.dtype == torch.bfloat16
-        k = (skinny_gemm.kernel() if self.device.type == "cpu" and (self.compute_dtype == torch.float32 or native_bf16)
-             else None)
+        k = (skinny_gemm.kernel() if self.device.type == "cpu" and backend != "torch"
+             and (self.compute_dtype == torch.float32 or native_bf16) else None)
         self.pairs = False       # native bf16: the skinny layout is gemm_bf's bf16 pairs [nb, in/2, 16, 2]
         if native_bf16:
-            self.pairs = skinny_gemm.bf16_pairs() and self.in_features % 2 == 0
+            self.pairs = k is not None and skinny_gemm.bf16_pairs() and self.in_features % 2 == 0
             self.skinny_rows = NATIVE_BF16_SKINNY_ROWS if self.pairs else NATIVE_BF16_WIDENING_ROWS
-        if k is not None and quant is not None and quant_layout.enabled() and self.dtype == torch.float32:
+        if k is not None and quant is not None and quant_layout.enabled(layout) and self.dtype == torch.float32:
             self.quant = self._exact_quant(k, weight, quant)
             if self.quant is not None and not _agrees(self._skinny(x, 0, None, 0), ref, torch.float32):
                 self.quant = None
@@ -97,7 +99,7 @@ class Linear:
                     self.skinny = None
             except RuntimeError:
                 self.skinny = None                              # oneDNN / F.linear at every size
-        if not widened and _onednn_usable(weight):
+        if not widened and _onednn_usable(weight, backend):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
                 got = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
@@ -108,7 +110,7 @@ class Linear:
         if self.packed is not None or (widened and self.skinny is not None):
             self.weight = None                                 # the other layouts hold it
         # A plain (unpacked, compute-dtype) weight for oneDNN: decided once, not per call.
-        self._onednn_plain = _onednn_usable(torch.empty(0, dtype=self.compute_dtype, device=self.device))
+        self._onednn_plain = _onednn_usable(torch.empty(0, dtype=self.compute_dtype, device=self.device), backend)
 
     def _exact_quant(self, k, weight: torch.Tensor, quant: quant_layout.QuantBlocks):
         """(Wq, format) when the blocks widen to `weight` bit for bit, else None (kept dense):

@@ -49,14 +49,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
-    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None, quantized=None):
+    def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None, quantized=None,
+                 switches=None):
         """Projection weights in `dtype`, computed (and norms held) in `compute_dtype`;
-        `quantized`: the file's blocks by name (weights.LoadedModel.quantized), used where exact."""
+        `quantized`: the file's blocks by name (weights.LoadedModel.quantized), used where exact;
+        `switches`: the EngineConfig whose linear_backend and quant_layout the linears follow."""
         p = f"model.layers.{i}."
         cd = compute_dtype or dtype
         g = lambda n: sd[p + n].to(device=device, dtype=dtype)
         qb = lambda *names: QuantBlocks.cat([(quantized or {}).get(p + n) for n in names])
-        lin = lambda w, b=None, q=None: Linear(w.contiguous(), b, compute_dtype=cd, quant=q)
+        lin = lambda w, b=None, q=None: Linear(w.contiguous(), b, compute_dtype=cd, quant=q, **_linear_kw(switches))
         qkv = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         self.qkv = lin(torch.cat([g(n) for n in qkv]),
                        torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
@@ -69,24 +71,32 @@ class Layer:
         self.norm_mlp = g("post_attention_layernorm.weight").to(cd)
 
 
+def _linear_kw(switches) -> dict:
+    """Linear's backend / layout from an EngineConfig; none given: Linear asks the environment."""
+    return {} if switches is None else {"backend": switches.linear_backend, "layout": switches.quant_layout}
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 compute_dtype: torch.dtype | None = None, quantized: dict | None = None):
+                 compute_dtype: torch.dtype | None = None, quantized: dict | None = None, switches=None):
         self.device = torch.device(device)
         # weight_dtype: how the weights are stored; dtype: what activations are computed in.
         # They differ for bfloat16 on a CPU without native bf16 GEMMs (cpu_bf16.py, "storage").
+        # switches: the EngineConfig (bf16_mode, linear_backend, quant_layout); None: the environment's.
         self.cfg, self.weight_dtype = cfg, dtype
-        self.dtype = cd = compute_dtype or cpu_bf16.compute_dtype(dtype, self.device)
+        bf16 = None if switches is None else switches.bf16_mode
+        self.dtype = cd = compute_dtype or cpu_bf16.compute_dtype(dtype, self.device, bf16)
         d = self.device
         self.embed = state_dict["model.embed_tokens.weight"].to(device=d, dtype=dtype)
         head = state_dict.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
         q = (quantized or {}).get("model.embed_tokens.weight" if tied else "lm_head.weight")
-        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous(), compute_dtype=cd, quant=q)
+        self.lm_head = Linear(self.embed if tied else head.to(d, dtype).contiguous(), compute_dtype=cd, quant=q,
+                              **_linear_kw(switches))
         self.tied = tied
         self.norm = state_dict["model.norm.weight"].to(device=d, dtype=cd)
-        self.layers = [Layer(state_dict, i, cfg, dtype, d, cd, quantized) for i in range(cfg.num_layers)]
+        self.layers = [Layer(state_dict, i, cfg, dtype, d, cd, quantized, switches) for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
         self.cos, self.sin = cos.to(d, cd), sin.to(d, cd)
         # float32 tables for the compiled RoPE (it rotates in float32, bf16 rows too) and for native

@@ -64,7 +64,7 @@ def hash_chain(parent_hash: int | None, blocks: list[tuple]) -> list[tuple[int, 
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, ops: str = "auto"):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -94,7 +94,7 @@ class PagePool:
         self.num_evictions = 0
         self.observer = None                       # observer(event_type, *fields): see the module doc
         self._ids = list(range(n))                 # one int object per page id, shared by every list of pages
-        self._ops = pool_ops.active()              # the per-page loops: compiled, or their Python reference
+        self._ops = pool_ops.active(ops)           # the per-page loops: compiled, or their Python reference
 
     # ---- free queue -------------------------------------------------------
     def _unlink(self, p: int) -> None:

@@ -189,9 +189,10 @@ class CompiledOnce:
         self.get()
         return self.state.get("why")
 
-    def active(self):
-        """What a new user runs: the compiled loops when they load, else the Python ones."""
-        return self.get() or self.python
+    def active(self, choice: str = "auto"):
+        """What a new user runs: the compiled loops when they load, else the Python ones;
+        choice="python" (EngineConfig.pool_ops) the Python ones, without loading anything."""
+        return self.python if choice == "python" else self.get() or self.python
 
 
 _compiled = CompiledOnce(_load, "page-pool loops", PYTHON)

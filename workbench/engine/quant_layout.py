@@ -9,15 +9,17 @@ bytes in a float32 run and computes what the dense float32 weights compute, bit 
 
 `Linear` only takes a layout whose widening reproduces its float32 weight exactly (checked at
 load, bit for bit, against the loader's own dequantization); anything else keeps the dense
-layout. PAGEDKV_QUANT_LAYOUT=off turns it off (the dense float32 skinny GEMM then runs).
+layout. EngineConfig.quant_layout="off" (PAGEDKV_QUANT_LAYOUT=off) turns it off (the dense float32
+skinny GEMM then runs).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from . import env
 
 QK = 32                                   # inputs per quantization group (GGUF's block size)
 FORMATS = {"Q8_0": 1, "Q4_1": 2}          # csrc/quant_layout.h's QuantFormat
@@ -25,13 +27,14 @@ _BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_1": 4 + QK // 2}   # GGUF's bytes per block 
 NB = 16                                   # output columns per skinny block
 
 
-def enabled() -> bool:
-    return os.environ.get("PAGEDKV_QUANT_LAYOUT", "auto") != "off"
+def enabled(setting: str | None = None) -> bool:
+    """EngineConfig.quant_layout as given; None (a caller without a config): PAGEDKV_QUANT_LAYOUT's."""
+    return (env.value("PAGEDKV_QUANT_LAYOUT") if setting is None else setting) != "off"
 
 
-def describe(kernel_built: bool) -> str:
+def describe(kernel_built: bool, setting: str | None = None) -> str:
     """One line for `kvwb doctor`: whether float32 decode streams a GGUF's own blocks."""
-    if not enabled():
+    if not enabled(setting):
         return "GGUF block layout off (PAGEDKV_QUANT_LAYOUT=off): float32 decode streams float32 weights"
     if not kernel_built:
         return "GGUF block layout unavailable (no skinny GEMM): float32 decode streams float32 weights"

@@ -33,7 +33,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, ops: str = "auto"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -41,7 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._ops = seq_ops.active()
+        self._ops = seq_ops.active(ops)          # EngineConfig.pool_ops: "python" keeps the Python loops
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

@@ -65,9 +65,10 @@ def build_stack(config: EngineConfig, num_pages: int, mc: ModelConfig | None = N
                 device: torch.device | None = None, max_model_len: int | None = None) -> KVStack:
     """Every page-size-dependent part for num_pages pages; with a model config, its tensors too."""
     ps = config.page_size
-    pool = PagePool(num_pages, ps, config.enable_prefix_caching)
+    pool = PagePool(num_pages, ps, config.enable_prefix_caching, ops=config.pool_ops)
     kv_manager = KVCacheManager(pool, config.enable_prefix_caching)
-    scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark)
+    scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
+                          ops=config.pool_ops)
     stack = KVStack(config, num_pages, pool, kv_manager, scheduler)
     if mc is not None:
         device = torch.device(device or "cpu")
@@ -75,7 +76,8 @@ def build_stack(config: EngineConfig, num_pages: int, mc: ModelConfig | None = N
             check_npu(config)                   # "auto" on an NPU: known only now
             check_npu_head_size(mc.head_dim)    # the model's side of the ops' contract
         dtype, scaled = kv_dtypes(config)
-        stack.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, device, scaled=scaled)
+        stack.kv = KVCache(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, device, scaled=scaled,
+                           hugepages=config.hugepages)
         stack.builder = BatchBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                      pages_for(max_model_len or mc.max_position_embeddings, ps), ps, device)
         stack.attn = get_backend(device.type, mc.num_heads, mc.num_kv_heads, mc.head_dim, page_size=ps,

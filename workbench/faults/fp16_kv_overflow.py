@@ -75,8 +75,9 @@ class FP16KVOverflow(Fault):
         w = (dense_weight(L.qkv).float() * rows[:, None]).to(L.qkv.dtype)
         b = None if L.qkv.bias is None else (L.qkv.bias.float() * rows).to(L.qkv.bias.dtype)
         wo = (dense_weight(L.o).float() / f).to(L.o.dtype)
-        self.patch(L, "qkv", Linear(w.contiguous(), b, compute_dtype=L.qkv.compute_dtype))
-        self.patch(L, "o", Linear(wo.contiguous(), L.o.bias, compute_dtype=L.o.compute_dtype))
+        kw = {"backend": eng.config.linear_backend}      # the engine's linears' path, not the process default
+        self.patch(L, "qkv", Linear(w.contiguous(), b, compute_dtype=L.qkv.compute_dtype, **kw))
+        self.patch(L, "o", Linear(wo.contiguous(), L.o.bias, compute_dtype=L.o.compute_dtype, **kw))
         # Pages computed now hold the rescaled layer's K/V: they leave the prefix cache on disable.
         self._cached_before = dict(eng.pool.cached)
 

@@ -21,6 +21,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from .. import env as env_vars
 from .spec import Spec
 
 MANIFEST = "manifest.json"
@@ -28,7 +29,7 @@ MANIFEST = "manifest.json"
 
 def build_dir() -> Path:
     """$PAGEDKV_EXTENSIONS_DIR, else ~/.cache/pagedkv-workbench/torch_extensions (XDG_CACHE_HOME honoured)."""
-    env = os.environ.get("PAGEDKV_EXTENSIONS_DIR")
+    env = env_vars.value("PAGEDKV_EXTENSIONS_DIR")
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     d = Path(env) if env else Path(xdg) / "pagedkv-workbench" / "torch_extensions"
     d.mkdir(parents=True, exist_ok=True)

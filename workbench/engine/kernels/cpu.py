@@ -8,8 +8,9 @@ manifest records the features it was compiled for, and the loader compares them 
 from __future__ import annotations
 
 import functools
-import os
 import re
+
+from .. import env
 
 # Only the flags that change what a compiler may emit: /proc/cpuinfo also lists bugs, power
 # management and virtualisation flags, which differ between identical CPUs and would make
@@ -35,9 +36,9 @@ def _read(path: str = "/proc/cpuinfo") -> frozenset[str]:
 def cpu_features(override: str | None = None) -> frozenset[str]:
     """This CPU's ISA features (avx2, avx512f, avx512_bf16, amx_tile, ...).
 
-    `override` (or $PAGEDKV_CPU_FEATURES, read here and nowhere else) replaces what
+    `override` (or $PAGEDKV_CPU_FEATURES, through engine/env.py) replaces what
     /proc/cpuinfo says: a test can be "a CPU without AVX-512" on any machine."""
-    text = override if override is not None else os.environ.get(OVERRIDE)
+    text = override if override is not None else env.value(OVERRIDE)
     if text is not None:
         return frozenset(x for x in re.split(r"[,\s]+", text) if x)
     return _read()

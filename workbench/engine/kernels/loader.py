@@ -4,8 +4,10 @@ refused when it was compiled for CPU features this one lacks.
 `Kernel.get()` is on hot paths (rms_norm every layer): after the first call it is one dict
 lookup, no lock, no file read. The first call decides, in this order:
 
-1. the extension's switch (PAGEDKV_ATTENTION=torch, PAGEDKV_LINEAR=torch, PAGEDKV_POOL=python):
-   off, the Python / torch path;
+1. the extension's switch (PAGEDKV_ATTENTION=torch, PAGEDKV_LINEAR=torch, PAGEDKV_POOL=python,
+   read through engine/env.py): off for the whole process, the Python / torch path. The
+   EngineConfig field of the same name turns the path off for one engine only (the build may
+   still be loaded for others);
 2. the cache entry of these sources, compiler, torch and Python (cache.py); its manifest lists
    the CPU features the build was compiled for. One this CPU lacks: REFUSED, with a warning
    naming the features and the entry, and the Python / torch path runs. We do not rebuild over
@@ -18,10 +20,10 @@ lookup, no lock, no file read. The first call decides, in this order:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
+from .. import env
 from . import cache
 from .build import artefact, build_and_import, import_file
 from .cpu import _read as detected_features, cpu_features, missing
@@ -87,9 +89,9 @@ class Kernel:
 
 
 def switched_off(spec: Spec) -> bool:
-    """Whether the extension's switch (PAGEDKV_ATTENTION=torch, ...) keeps the Python / torch path:
-    the one place these environment variables are read."""
-    return bool(spec.switch) and os.environ.get(spec.switch[0], "").strip().lower() == spec.switch[1]
+    """Whether the extension's switch (PAGEDKV_ATTENTION=torch, ...) keeps the Python / torch path
+    in this whole process (asked once per extension: get() remembers the answer)."""
+    return bool(spec.switch) and env.value(spec.switch[0]) == spec.switch[1]
 
 
 def built_for(spec: Spec) -> frozenset[str]:

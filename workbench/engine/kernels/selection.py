@@ -5,7 +5,8 @@ READ BACK from what was built: the attention backend object and whether it holds
 kernel, the model's linears, the pool's and scheduler's loops, the model's compute dtype. So it
 cannot disagree with what runs; the modules that make each choice (attention.get_backend,
 linear.Linear, cpu_bf16.mode, the loader's switches) are the only deciders. `kvwb doctor`
-prints the one a default engine would get (probe()), built from the same constructors.
+prints the one a default engine would get (probe()), built from the same constructors. A reason
+names the PAGEDKV_* variable where the environment set the field behind it (engine/env.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import env
 from .cpu import cpu_features
 from .extensions import ATTENTION, POOL_OPS, SEQ_OPS, SKINNY_GEMM
 
@@ -32,12 +34,14 @@ class KernelSelection:
     bf16: str
     bf16_why: str
     cpu: str
+    overrides: str = ""             # the environment's overrides of the config, "PAGEDKV_X=v, ..."
 
     def rows(self) -> list[tuple[str, str]]:
         return [("attention", f"{self.attention} ({self.attention_why})"),
                 ("linear", f"{self.linear} ({self.linear_why})"),
                 ("pool ops", f"{self.pool_ops} ({self.pool_ops_why})"),
-                ("bf16", f"{self.bf16} ({self.bf16_why})"), ("cpu", self.cpu)]
+                ("bf16", f"{self.bf16} ({self.bf16_why})"), ("cpu", self.cpu)] + (
+                    [("env", self.overrides)] if self.overrides else [])
 
     def short(self) -> str:
         """One line (the dashboard's header, logs)."""
@@ -50,9 +54,9 @@ class KernelSelection:
         return "KernelSelection\n" + "\n".join(f"  {k + ':':<10} {v}" for k, v in self.rows())
 
 
-def _attention(config, device: torch.device, attn) -> tuple[str, str]:
+def _attention(config, device: torch.device, attn, applied: dict) -> tuple[str, str]:
     from ..attention import CpuPagedAttention, NpuPagedAttention, TorchFallbackAttention
-    choice = f"attention_backend={config.attention_backend!r}"
+    choice = f"attention_backend={config.attention_backend!r}{env.source(applied, 'attention_backend')}"
     # the CPU module is only loaded (maybe built) for a CPU engine, as rms_norm and get_backend do
     cpu_mod = ATTENTION.get() if device.type == "cpu" else None
     helpers = "; rms_norm (and RoPE + KV store where the cache takes it) compiled" if cpu_mod is not None else ""
@@ -71,7 +75,9 @@ def _attention(config, device: torch.device, attn) -> tuple[str, str]:
     return attn.name, f"compiled kernel unavailable: {ATTENTION.why()}"
 
 
-def _linear(device: torch.device, backend: str) -> tuple[str, str]:
+def _linear(config, device: torch.device, backend: str, applied: dict) -> tuple[str, str]:
+    if config.linear_backend == "torch":
+        return backend, f"linear_backend='torch'{env.source(applied, 'linear_backend')}: F.linear at every size"
     if backend.startswith("skinny"):
         rest = backend.split("+", 1)[1] if "+" in backend else "torch"
         return backend, f"compiled skinny GEMM at decode sizes, {rest} above; {SKINNY_GEMM.entry()}"
@@ -81,26 +87,29 @@ def _linear(device: torch.device, backend: str) -> tuple[str, str]:
     return backend, f"skinny GEMM unavailable: {why}" if why else "the skinny GEMM did not agree with F.linear here"
 
 
-def _pool(pool_impl, seq_impl) -> tuple[str, str]:
+def _pool(config, pool_impl, seq_impl, applied: dict) -> tuple[str, str]:
     names = {pool_impl.name, seq_impl.name}
     name = names.pop() if len(names) == 1 else f"pool {pool_impl.name}, seq {seq_impl.name}"
     if name == "compiled":
         return name, f"C loops; {POOL_OPS.entry()}"
+    if config.pool_ops == "python":
+        return name, f"pool_ops='python'{env.source(applied, 'pool_ops')}"
     why = POOL_OPS.why() or SEQ_OPS.why() or "the Python reference, chosen by the caller"
     return name, why
 
 
-def _bf16(config, device: torch.device, weight_dtype, compute_dtype, attention_dtype) -> tuple[str, str]:
+def _bf16(config, device: torch.device, weight_dtype, compute_dtype, attention_dtype, applied: dict) -> tuple[str, str]:
     from .. import cpu_bf16, skinny_gemm
+    said = cpu_bf16.describe(device, config.bf16_mode) + env.source(applied, "bf16_mode")
     if weight_dtype != torch.bfloat16:
-        return "off", f"dtype={config.dtype!r}; bfloat16 here would be {cpu_bf16.describe(device).split(':')[0]}"
+        return "off", f"dtype={config.dtype!r}; bfloat16 here would be {said.split(':')[0]}"
     if device.type != "cpu":
         return "native", f"{device.type}: bf16 compute"
     if compute_dtype == torch.float32:
-        return "storage", cpu_bf16.describe(device).split(": ", 1)[1]
+        return "storage", said.split(": ", 1)[1]
     pairs = "bf16 pair kernel (vdpbf16ps)" if skinny_gemm.bf16_pairs() else "no bf16 pair kernel"
     att = "unknown" if attention_dtype is None else str(attention_dtype).removeprefix("torch.")
-    return "native", f"{cpu_bf16.describe(device).split(': ', 1)[1]}; linears: {pairs}; attention rows {att}"
+    return "native", f"{said.split(': ', 1)[1]}; linears: {pairs}; attention rows {att}"
 
 
 def _cpu() -> str:
@@ -110,11 +119,13 @@ def _cpu() -> str:
 
 
 def select(config, device, attn, linear_backend: str, weight_dtype, compute_dtype, pool_impl, seq_impl,
-           attention_dtype=None) -> KernelSelection:
-    device = torch.device(device)
-    a, b, c, d = (_attention(config, device, attn), _linear(device, linear_backend), _pool(pool_impl, seq_impl),
-                  _bf16(config, device, weight_dtype, compute_dtype, attention_dtype))
-    return KernelSelection(*a, *b, *c, *d, cpu=_cpu())
+           attention_dtype=None, applied: dict | None = None) -> KernelSelection:
+    """applied: the environment's overrides of config ({field: "PAGEDKV_X=v"}, env.apply's)."""
+    device, applied = torch.device(device), applied or {}
+    a, b, c, d = (_attention(config, device, attn, applied), _linear(config, device, linear_backend, applied),
+                  _pool(config, pool_impl, seq_impl, applied),
+                  _bf16(config, device, weight_dtype, compute_dtype, attention_dtype, applied))
+    return KernelSelection(*a, *b, *c, *d, cpu=_cpu(), overrides=", ".join(applied.values()))
 
 
 def from_engine(engine) -> KernelSelection:
@@ -124,7 +135,7 @@ def from_engine(engine) -> KernelSelection:
     adt = m.attention_dtype(engine.attn, cache) if hasattr(m, "attention_dtype") else None
     return select(engine.config, engine.device, engine.attn, getattr(m, "linear_backend", "unknown"),
                   getattr(m, "weight_dtype", engine.dtype), getattr(m, "dtype", engine.dtype),
-                  engine.pool._ops, engine.scheduler._ops, adt)
+                  engine.pool._ops, engine.scheduler._ops, adt, getattr(engine, "env_overrides", None))
 
 
 def probe(config=None, device="cpu") -> KernelSelection:
@@ -137,13 +148,15 @@ def probe(config=None, device="cpu") -> KernelSelection:
     from ..linear import Linear
     from ..model import LlamaModel
     from ..stack import kv_dtypes
-    config = config or EngineConfig()
+    config, applied = env.apply(config or EngineConfig())        # as the Engine resolves its config
     device = torch.device(device)
     attn = get_backend(device.type, 4, 2, 64, page_size=config.page_size, choice=config.attention_backend)
     wdt = torch_dtype(config.dtype)
-    cdt = cpu_bf16.compute_dtype(wdt, device)
-    lin = Linear(torch.randn(64, 64).to(device, wdt), compute_dtype=cdt)
+    cdt = cpu_bf16.compute_dtype(wdt, device, config.bf16_mode)
+    lin = Linear(torch.randn(64, 64).to(device, wdt), compute_dtype=cdt, backend=config.linear_backend,
+                 layout=config.quant_layout)
     # the model's own rule (LlamaModel.attention_dtype) over a two-page cache of the config's dtype
     cache = torch.zeros(2, config.page_size, 2, 64, dtype=kv_dtypes(config)[0], device=device)
     adt = LlamaModel.attention_dtype(SimpleNamespace(dtype=cdt, device=device), attn, cache)
-    return select(config, device, attn, lin.backend, wdt, cdt, pool_ops.active(), seq_ops.active(), adt)
+    return select(config, device, attn, lin.backend, wdt, cdt, pool_ops.active(config.pool_ops),
+                  seq_ops.active(config.pool_ops), adt, applied)

@@ -18,7 +18,7 @@ class Spec:
     flags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
     headers: tuple[Path, ...] = field(default_factory=lambda: tuple(sorted(CSRC.glob("*.h"))))
-    # the env var (and value) that keeps the Python / torch path: the only place each is read
+    # the env var (and value) that keeps the Python / torch path process-wide (engine/env.py's table)
     switch: tuple[str, str] | None = None
 
     @property

@@ -10,7 +10,7 @@ It starts the workers itself (torch.multiprocessing, start method spawn, a store
 them: close() (also from Engine.close(), the engine's __del__ and atexit) sends the
 shutdown and reaps every process, terminating what does not leave in time. A rank that dies
 makes the next collective fail at once (its sockets close); one that hangs makes it time out
-(gloo's timeout, group.DEFAULT_TIMEOUT_S). Either way the driver raises RankFailed naming the
+(gloo's timeout, EngineConfig.tp_timeout_s). Either way the driver raises RankFailed naming the
 rank (its exit code or signal, or the error it left in the store), shuts the others down and
 refuses further steps: a group that lost a rank mid-step cannot be resumed. A KeyboardInterrupt
 (an interrupted notebook kernel) inside a step does the same and is re-raised.
@@ -34,11 +34,10 @@ from ...events import RankStepFinished, now_ns
 from ..config import ConfigError
 from . import plan_broadcast as pb
 from . import shm_allreduce
-from .group import DEFAULT_TIMEOUT_S, Group, open_store, pid_alive, torchrun_store, under_torchrun
+from .group import Group, open_store, pid_alive, torchrun_store, under_torchrun
 from .shard import TensorParallelModel, plan_shards, shard_config
 from .worker import STATS_FIELDS, RankView, _fixed, _tap_values, load_function, stats_vector, step_bytes
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDKV_TP_STARTUP_S", "600"))   # load + shard on a busy host
 JOIN_TIMEOUT_S = 10.0
 
 _LIVE: "weakref.WeakSet[Driver]" = weakref.WeakSet()
@@ -79,7 +78,8 @@ class Driver:
         self.plan = plan_shards(mc, world)            # ConfigError naming the heads when there is no split
         self.world, self.config = world, config
         self.shard_config = shard_config(mc, self.plan, 0)
-        self.timeout_s = DEFAULT_TIMEOUT_S
+        # EngineConfig.tp_timeout_s / tp_startup_s (PAGEDKV_TP_TIMEOUT_S / _STARTUP_S override them)
+        self.timeout_s, self.startup_s = config.tp_timeout_s, config.tp_startup_s   # startup: load + shard, busy host
         self.engine_ref: Callable[[], Any] = lambda: None
         self.procs: dict[int, Any] = {}               # rank -> multiprocessing.Process (spawned ranks)
         self.pids: dict[int, int] = {}
@@ -98,19 +98,19 @@ class Driver:
         torch.set_num_threads(self.num_threads)
         self.torchrun = under_torchrun()
         if self.torchrun:
-            store, rank, w = torchrun_store(STARTUP_TIMEOUT_S)
+            store, rank, w = torchrun_store(self.startup_s)
             if rank != 0 or w != world:
                 raise ConfigError(f"under torchrun this process is rank {rank} of {w}: the engine is built on rank 0 "
                                   f"with tensor_parallel_size equal to the world size ({world} asked)")
         else:
-            store = open_store(world, STARTUP_TIMEOUT_S)
+            store = open_store(world, self.startup_s)
         self.store = store
         cfg = dict(config.to_dict(), capture_trace=None, device="cpu")
         # The all-reduces through shared memory when every rank is on this host (shm_allreduce.py).
         local = not self.torchrun or int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
         self.shm_path = None
         slot = config.max_num_batched_tokens * mc.hidden_size * torch.empty(0, dtype=dtype).element_size()
-        if local and shm_allreduce.wanted():
+        if local and shm_allreduce.wanted(config.tp_allreduce):
             self.shm_path = shm_allreduce.create(world, slot)
         store.set("hello/0", str(os.getpid()))
         store.set("config", json.dumps({
@@ -128,7 +128,7 @@ class Driver:
                     p.start()
                     self.procs[r] = p
                     self.pids[r] = p.pid
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            deadline = time.monotonic() + self.startup_s
             self._wait_for("hello", deadline)
             for r in range(1, world):
                 self.pids[r] = int(store.get(f"hello/{r}").decode())
@@ -137,7 +137,7 @@ class Driver:
                 self.group.shm = shm_allreduce.ShmAllReduce(self.shm_path, 0, world, slot, self.timeout_s,
                                                             peers_alive=self._dead_ranks)
             self.model = TensorParallelModel(mc, loaded.state_dict, self.plan, 0, self.group, dtype, device,
-                                             max_positions=max_model_len)
+                                             max_positions=max_model_len, switches=config)
             self._wait_for("ready", deadline)
         except BaseException:
             self.broken = "start-up failed"
@@ -168,7 +168,7 @@ class Driver:
                 raise RankFailed(f"tensor-parallel start-up failed: {self._describe(dead)}")
             if time.monotonic() > deadline:
                 raise RankFailed(f"tensor-parallel start-up: ranks {sorted(todo)} did not get to '{key}' within "
-                                 f"{STARTUP_TIMEOUT_S:.0f} s ({self._describe(sorted(todo))})")
+                                 f"{self.startup_s:.0f} s ({self._describe(sorted(todo))})")
             time.sleep(0.05)
 
     # ---- liveness and diagnosis ------------------------------------------------------------

@@ -21,11 +21,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config import EngineConfig
+
 HOST = "127.0.0.1"
 PREFIX = "pagedkv/"
 # A collective inside a step waits at most this long for the slowest rank (a long prefill on
 # a busy host takes seconds, not minutes); a dead rank is seen at once, not after it.
-DEFAULT_TIMEOUT_S = float(os.environ.get("PAGEDKV_TP_TIMEOUT_S", "120"))
+# EngineConfig.tp_timeout_s (PAGEDKV_TP_TIMEOUT_S) sets it; this is its default.
+DEFAULT_TIMEOUT_S = EngineConfig.tp_timeout_s
 # Between steps a worker waits for the driver's next plan for as long as the driver idles.
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 

@@ -188,9 +188,9 @@ class TensorParallelModel(LlamaModel):
     projections all-reduce and whose vocabulary head gathers."""
 
     def __init__(self, mc: ModelConfig, state_dict: dict, plan: ShardPlan, rank: int, group,
-                 dtype: torch.dtype = torch.float32, device="cpu", max_positions: int | None = None):
+                 dtype: torch.dtype = torch.float32, device="cpu", max_positions: int | None = None, switches=None):
         super().__init__(shard_config(mc, plan, rank), shard_state_dict(state_dict, mc, plan, rank), dtype, device,
-                         max_positions=max_positions)
+                         max_positions=max_positions, switches=switches)
         self.full_config, self.plan, self.rank, self.group = mc, plan, rank, group
         for L in self.layers:
             L.o = RowParallelLinear(L.o, group, rank == 0)

@@ -35,17 +35,14 @@ import numpy as np
 import torch
 
 LINE = 64
-MODE_ENV = "PAGEDKV_TP_ALLREDUCE"        # auto (shm where it applies) | shm | gloo
 
 
 def available() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def wanted() -> bool:
-    mode = os.environ.get(MODE_ENV, "auto")
-    if mode not in ("auto", "shm", "gloo"):
-        raise ValueError(f"{MODE_ENV}={mode!r}: use auto, shm or gloo")
+def wanted(mode: str = "auto") -> bool:
+    """EngineConfig.tp_allreduce (PAGEDKV_TP_ALLREDUCE overrides it): auto / shm where it applies, gloo never."""
     return mode != "gloo" and available()
 
 

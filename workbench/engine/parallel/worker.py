@@ -111,7 +111,7 @@ class Worker:
         self.plan = plan_shards(mc, world)
         self.mc_local = shard_config(mc, self.plan, rank)
         self.model = TensorParallelModel(mc, loaded.state_dict, self.plan, rank, group, dtype, "cpu",
-                                         max_positions=cfg["max_model_len"])
+                                         max_positions=cfg["max_model_len"], switches=config)
         del loaded
         self.num_pages = int(cfg["num_pages"])
         stack = build_stack(config, self.num_pages, self.mc_local, torch.device("cpu"), cfg["max_model_len"])
@@ -310,8 +310,12 @@ def spawn_main(rank: int, world: int, port: int, parent_pid: int, timeout_s: flo
     os._exit(code)
 
 
-def serve_torchrun(timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
-    """A rank other than 0 under torchrun: serve the driver (rank 0) until it shuts down."""
+def serve_torchrun(timeout_s: float | None = None) -> int:
+    """A rank other than 0 under torchrun: serve the driver (rank 0) until it shuts down. Until the
+    driver's config arrives the rendezvous waits PAGEDKV_TP_TIMEOUT_S (EngineConfig.tp_timeout_s's default)."""
+    if timeout_s is None:
+        from .. import env
+        timeout_s = env.value("PAGEDKV_TP_TIMEOUT_S")
     store, rank, world = torchrun_store(timeout_s)
     if rank == 0:
         raise RuntimeError("rank 0 drives: build the Engine there (workbench.serve does)")
