@@ -104,8 +104,8 @@ class TriageReport:
 
     def page_map(self, request: int):
         """The corrupt request's context as its pages (a row per page of its page table, a cell per
-        slot), the positions the localising probe found wrong in red, the page it named outlined;
-        plotly. From the shadow probe's finding at the first bad token."""
+        slot): the position the localising probe names in red, and for a bad read every query row
+        from there on (orange); plotly. From the shadow probe's finding at the first bad token."""
         import plotly.graph_objects as go
         f = self.faults.get(request)
         if f is None:
@@ -165,14 +165,18 @@ def _localize(rep, row, A, B, prompts, tokens, i: int, t: int) -> None:
     curve = layer_curve(A, B, prompts, tokens, i, t)
     if curve is not None:
         rep.curves[i] = curve
-        if curve["layer"] is not None:
-            row["layer"] = curve["layer"]
-            row["evidence"] += (f"; hidden states part at layer {curve['layer']} "
-                                f"({curve['at'][curve['layer']]:.1e} relative, floor {curve['floor'][curve['layer']]:.1e})")
-    tap = B if isinstance(B, EngineSide) else A if isinstance(A, EngineSide) else None
-    if tap is None:
-        return
-    found = where(tap.engine, prompts, tokens, i, t)
+        L = curve["layer"]
+        if L is not None:
+            row["layer"] = L
+            row["evidence"] += (f"; hidden states part at layer {L} (hidden {curve['at'][L]:.1e} relative, floor "
+                                f"{curve['floor'][L]:.1e}; attention output {curve['attn_at'][L]:.1e}, floor "
+                                f"{curve['attn_floor'][L]:.1e})")
+    # the shadow on each engine side, B first (the side under suspicion); a clean side finds nothing
+    found = tap = None
+    for tap in (x for x in (B, A) if isinstance(x, EngineSide)):
+        found = where(tap.engine, prompts, tokens, i, t)
+        if found is not None:
+            break
     if found is None:
         return
     rep.faults[i] = found
@@ -205,7 +209,7 @@ def _repeat(side, prompts, tokens, sample) -> Run:
     """The side again, teacher-forced on the same tokens, for the `sample` requests in another batch
     composition and order: reversed, all together when they are a subset (other batch partners and
     size), else in halves. The noise floor needs thousands of tokens, not every request: the cost
-    stays a fraction of one pass (64 x 256 tokens: 8 requests repeated)."""
+    stays a fraction of one pass (64 x 256 tokens: 4 requests repeated)."""
     size = len(sample) if len(sample) < len(prompts) else max(1, len(sample) // 2)
     return side.run([prompts[i] for i in sample], 0, forced=[tokens[i] for i in sample], batch=size)
 
@@ -225,9 +229,13 @@ def _delta(r1: Run, r2: Run) -> np.ndarray:
     return np.concatenate([np.abs(a - b) for a, b in zip(r1.logprob, r2.logprob)]) if r1.logprob else np.zeros(0)
 
 
-def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sample: int = 8) -> TriageReport:
+FLOOR_TOKENS = 1024     # tokens the noise floor's 99th percentile is taken over (a sample of requests)
+
+
+def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sample: int | None = None) -> TriageReport:
     """localize: how many corrupt requests to localise to a layer and pages (on a side we can tap).
-    floor_sample: how many requests each side repeats for its noise floor (see _repeat).
+    floor_sample: how many requests each side repeats for its noise floor (see _repeat); default
+    enough for FLOOR_TOKENS tokens, at least 2.
     A recording (a path, or RecordingSide) is always the reference: it brings its own prompts
     (`prompts` None) and is judged by the other side alone (see _one_sided)."""
     A, B = as_side(a, "A"), as_side(b, "B")
@@ -245,7 +253,8 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     ref = clock("A greedy", A.run, prompts, max_tokens)
     tokens = ref.tokens
     fb = clock("B teacher-forced", B.run, prompts, max_tokens, forced=tokens)
-    sample = _sample(n, floor_sample)
+    per = max(1, int(np.mean([len(t) for t in tokens])) if tokens else 1)
+    sample = _sample(n, floor_sample or max(2, -(-FLOOR_TOKENS // per)))
     b2 = clock("B repeat", _repeat, B, prompts, tokens, sample)
     if not getattr(A, "has_logprobs", True):
         rep = _one_sided(A, B, ref, fb, b2, sample)
