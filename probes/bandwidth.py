@@ -624,7 +624,7 @@ class BandwidthProbe(Probe):
 
     def _sample_ticks(self, now: float | None = None) -> None:
         from workbench.engine import device
-        ticks = device._proc_ticks()
+        ticks = device.proc_ticks()
         if ticks is not None:
             self._ticks.append((time.perf_counter() if now is None else now, ticks))
 
@@ -634,7 +634,7 @@ class BandwidthProbe(Probe):
         verdict within ~100 ms of it): the 1-minute load average less this process's threads, as
         device.HostLoad estimates it. None where neither can be read."""
         from workbench.engine import device
-        now_ticks = device._proc_ticks()
+        now_ticks = device.proc_ticks()
         if now_ticks is not None and self._ticks:
             start = min(since, time.perf_counter() - HOST_LOOKBACK_S)
             older = [t for w, t in self._ticks if w <= start]

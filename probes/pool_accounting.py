@@ -99,12 +99,13 @@ class PoolAccountingProbe(Probe):
         pool = eng.pool
         n = pool.num_pages
         ref = np.asarray(pool.ref, dtype=np.int64)
-        is_free = np.asarray(pool._is_free, dtype=bool)
+        fq = pool.free_queue()                            # the raw links: the probe walks them itself
+        is_free = np.asarray(fq.is_free, dtype=bool)
         page_hash = pool.page_hash
         has_hash = np.fromiter((h is not None for h in page_hash), dtype=bool, count=n)
-        walk, walk_err = invariants.walk_free_queue(pool._head, pool._next, n)
+        walk, walk_err = invariants.walk_free_queue(fq.head, fq.next, n)
         found = invariants.pool_violations(ref, is_free, has_hash, walk, walk_err,
-                                           np.asarray(pool._prev, dtype=np.int64), pool.num_free,
+                                           np.asarray(fq.prev, dtype=np.int64), pool.num_free,
                                            pool.num_cached_free, pool.cached, page_hash)
         for v in found:
             self.report("error", f"pool books ({v.rule}): {v.message}; pages {list(v.pages)}", hint=HINT_BOOKS,

@@ -115,7 +115,7 @@ def host(monkeypatch, others: float):
     def proc_ticks():                       # each call 100 host ticks later; ours: 5 of each 100
         t = next(ticks)
         return int(t * (others + 0.05)), t, t * 5 // 100
-    monkeypatch.setattr(dev, "_proc_ticks", proc_ticks)
+    monkeypatch.setattr(dev, "proc_ticks", proc_ticks)
 
 
 def test_peak_figures_policy_without_measuring(monkeypatch):
@@ -383,7 +383,7 @@ def test_a_busy_host_is_not_judged_as_the_engine(sharp_llama_dir, cache, monkeyp
         state["busy"] += int(100 * (load["others"] + 0.05))
         state["ours"] += 5
         return state["busy"], state["t"], state["ours"]
-    monkeypatch.setattr(dev, "_proc_ticks", proc_ticks)
+    monkeypatch.setattr(dev, "proc_ticks", proc_ticks)
     eng = tiny(sharp_llama_dir)
     eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
     wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))

@@ -533,7 +533,7 @@ def machine_key(device: DeviceLike = "auto") -> str:
     return _cache_key(resolve_device(device))[0]
 
 
-def _proc_ticks() -> tuple[int, int, int] | None:
+def proc_ticks() -> tuple[int, int, int] | None:
     """(busy, total) clock ticks of the whole host from /proc/stat (steal counts as busy),
     and this process's ticks from /proc/self/stat (the same accounting, so they subtract)."""
     try:
@@ -551,7 +551,7 @@ def _proc_ticks() -> tuple[int, int, int] | None:
 
 
 def others_share(t0: tuple[int, int, int], t1: tuple[int, int, int], min_ticks: int = 20) -> float | None:
-    """Share of the host's ticks between two _proc_ticks() readings that other processes took
+    """Share of the host's ticks between two proc_ticks() readings that other processes took
     (busy less ours, over all); None under min_ticks (too few to tell)."""
     busy, total, ours = t1[0] - t0[0], t1[1] - t0[1], t1[2] - t0[2]
     if total < min_ticks:
@@ -588,12 +588,12 @@ class HostLoad:
         self.method = "none"
 
     def __enter__(self) -> "HostLoad":
-        self._t0 = _proc_ticks()
+        self._t0 = proc_ticks()
         self._w0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        t1 = _proc_ticks()
+        t1 = proc_ticks()
         self.wall_s = time.perf_counter() - self._w0
         t0 = self._t0
         if t0 is not None and t1 is not None:

@@ -24,10 +24,18 @@ pool's changes map to event types in one place, here; POOL_EVENTS lists them.
 from __future__ import annotations
 
 from array import array
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, NamedTuple, Sequence
 
 from ..events import PagesAllocated, PagesEvicted, PagesFreed, PagesRegistered, PagesShared
 from . import pool_ops
+
+
+class FreeQueueView(NamedTuple):
+    """The pool's free queue as stored (read-only views; NIL = -1 ends a chain)."""
+    is_free: memoryview           # per page: 1 on the queue
+    head: int                     # next to evict, or NIL
+    next: memoryview              # per page: the page after it on the queue
+    prev: memoryview              # per page: the page before it
 
 NIL = -1
 
@@ -261,3 +269,9 @@ class PagePool:
 
     def refcounts(self) -> Sequence[int]:
         return self.ref
+
+    def free_queue(self) -> "FreeQueueView":
+        """The free queue's raw links, read-only, for a checker that walks them itself (the
+        pool_accounting probe): it must not trust free_order(), the pool's own walk."""
+        return FreeQueueView(memoryview(self._is_free).toreadonly(), self._head, memoryview(self._next).toreadonly(),
+                             memoryview(self._prev).toreadonly())
