@@ -62,9 +62,8 @@ def engine_hidden(engine, prompts, tokens, request: int, at) -> dict:
     teacher-forced on `tokens` in one batch (the triage's composition); the run stops (the rest
     aborted) once those tokens are computed."""
     from ..engine.instrumentation import add_tap, remove_tap
-    from ..engine.sequence import SamplingParams
-    ids = [engine.add_request(p, SamplingParams(max_tokens=len(f), ignore_eos=True, forced_token_ids=tuple(f)))
-           for p, f in zip(prompts, tokens)]
+    from .sides import submit_forced
+    ids = submit_forced(engine, prompts, tokens)
     tap = HiddenTap(ids[request], at, engine.model_config.num_layers)
     add_tap(engine, tap)
     try:

@@ -15,19 +15,15 @@ from __future__ import annotations
 def localize(engine, prompts, tokens, request: int, token: int) -> dict | None:
     """{"layer", "pages", "kind", "message"} from the shadow's first finding on `request` at `token`,
     or None when it finds nothing there (the corruption is not in what a dense recompute can see)."""
-    from ..engine.sequence import SamplingParams
     from ..workbench import Workbench
+    from .sides import submit_forced
     nl = engine.model_config.num_layers
     ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
     wb = Workbench(engine, log=False).attach("shadow", "page_table",
                                              shadow={"on_demand": True, "budget": ctx * nl + 1})
     shadow = wb.probe("shadow")
     try:
-        rid = None
-        for i, (p, f) in enumerate(zip(prompts, tokens)):
-            r = engine.add_request(p, SamplingParams(max_tokens=len(f), ignore_eos=True, forced_token_ids=tuple(f)))
-            if i == request:
-                rid = r
+        rid = submit_forced(engine, prompts, tokens)[request]
         asked = False
         while engine.has_unfinished():
             seq = next((s for s in engine.live_sequences() if s.request_id == rid), None)

@@ -34,6 +34,14 @@ class Run:
         return t[:, 0] - t[:, 1] if t.shape[1] > 1 else np.full(len(t), np.inf)
 
 
+def submit_forced(engine, prompts, tokens) -> list[int]:
+    """Every prompt teacher-forced on its tokens, added in one go (one batch composition); their
+    engine request ids, in prompt order. Localisation re-runs a triage's batch this way."""
+    from ..engine.sequence import SamplingParams
+    return [engine.add_request(p, SamplingParams(max_tokens=len(f), ignore_eos=True, forced_token_ids=tuple(f)))
+            for p, f in zip(prompts, tokens)]
+
+
 class EngineSide:
     def __init__(self, engine, name: str = "engine", batch: int | None = None, top_k: int = 5):
         self.engine, self.name, self.batch, self.top_k = engine, name, batch, top_k

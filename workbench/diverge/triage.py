@@ -219,6 +219,11 @@ def _pick(run: Run, idx) -> Run:
                [run.top[i] for i in idx] if run.top else [], [run.top_lp[i] for i in idx] if run.top_lp else [])
 
 
+def _tie(floor: float) -> float:
+    """A top-2 margin under this is a near tie: 0.5 nats, or 8 x the noise floor where that is more."""
+    return max(0.5, 8 * floor)
+
+
 def _noise(r1: Run, r2: Run) -> float:
     """A side's repeat noise: the 99th percentile of its per-token differences between two runs."""
     d = np.nan_to_num(_delta(r1, r2), nan=1e9, posinf=1e9)
@@ -244,7 +249,8 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     if not getattr(B, "has_logprobs", True):
         raise ValueError(f"{A.name} vs {B.name}: two recordings cannot be compared token by token "
                          "(neither can be teacher-forced); compare each with an engine")
-    if not getattr(A, "has_logprobs", True):
+    recorded = not getattr(A, "has_logprobs", True)
+    if recorded:
         prompts = A.prompts                          # a recording's own requests, whatever was passed
     elif prompts is None:
         raise ValueError("triage: prompts are needed unless one side is a recording")
@@ -256,7 +262,7 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     per = max(1, int(np.mean([len(t) for t in tokens])) if tokens else 1)
     sample = _sample(n, floor_sample or max(2, -(-FLOOR_TOKENS // per)))
     b2 = clock("B repeat", _repeat, B, prompts, tokens, sample)
-    if not getattr(A, "has_logprobs", True):
+    if recorded:
         rep = _one_sided(A, B, ref, fb, b2, sample)
         rep.seconds, rep.tokens = clock.seconds, tokens
         return rep
@@ -265,7 +271,7 @@ def triage(a, b, prompts=None, max_tokens: int = 32, localize: int = 4, floor_sa
     # beyond it is not reproducible across batch compositions (itself a symptom, said in the report)
     na, nb = _noise(_pick(ref, sample), a2), _noise(_pick(fb, sample), b2)
     floor = min(na, nb)
-    tie = max(0.5, 8 * floor)
+    tie = _tie(floor)
     rep = TriageReport(getattr(A, "name", "A"), getattr(B, "name", "B"), floor, tie)
     rep.repeat_noise = {rep.a: na, rep.b: nb}
     rep.seconds, rep.tokens = clock.seconds, tokens
@@ -319,7 +325,7 @@ def _one_sided(A, B, ref: Run, fb: Run, b2: Run, sample) -> TriageReport:
     floor allows moves a log-prob that far; a flip under it is drift (a near tie on B, which another
     dtype or device may break the other way). The floor is B's own repeat noise."""
     floor = _noise(_pick(fb, sample), b2)
-    tie = max(0.5, 8 * floor)
+    tie = _tie(floor)
     rep = TriageReport(A.name, B.name, floor, tie)
     rep.repeat_noise = {B.name: floor}
     rep.scale, rep.jump = floor, 2 * tie

@@ -14,9 +14,6 @@ from pathlib import Path
 import torch
 
 from ..kernels import ATTENTION, build_dir  # noqa: F401  (build_dir: the old public name)
-from ..kernels.extensions import NATIVE_FLAGS, NATIVE_LDFLAGS
-from ..kernels.loader import Kernel
-from ..kernels.spec import Spec
 
 SOURCE = ATTENTION.spec.sources[0]
 HEADERS = Path(__file__).parents[1] / "csrc"     # the shared headers (avx512_math.h, quant_layout.h)
@@ -26,13 +23,6 @@ SOURCES = list(ATTENTION.spec.sources)           # one module; the bindings are 
 # call one dict lookup (rms_norm calls it every layer).
 kernel = ATTENTION.get
 unavailable_reason = ATTENTION.why
-
-
-def compile_extension(name: str, sources: list[Path], what: str):
-    """(module, None) once built and loaded through the kernels loader, or (None, why) with a warning:
-    the old entry point, for an extension not in kernels/extensions.py (same flags as ours)."""
-    k = Kernel(Spec(name, tuple(Path(p) for p in sources), what, flags=NATIVE_FLAGS, ldflags=NATIVE_LDFLAGS))
-    return k.get(), k.why()
 
 
 def _rows(x: torch.Tensor):
