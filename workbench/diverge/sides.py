@@ -43,20 +43,44 @@ def submit_forced(engine, prompts, tokens) -> list[int]:
 
 
 class EngineSide:
-    def __init__(self, engine, name: str = "engine", batch: int | None = None, top_k: int = 5):
-        self.engine, self.name, self.batch, self.top_k = engine, name, batch, top_k
+    """Our engine. Greedy through its decode path. Teacher-forced two ways (`forced`):
 
-    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None) -> Run:
+      "decode"   SamplingParams.forced_token_ids: one forced token a step through the decode path,
+                 as production produced them (pages grow a token at a time, the decode kernel reads
+                 them); as dear as a greedy run
+      "prefill"  SamplingParams.prompt_logprobs over prompt + the tokens: the tokens verified in
+                 chunked-prefill steps (each chunk reads the earlier chunks' K/V from the pages),
+                 vLLM's prompt_logprobs; the GEMMs at full width, each page read once a chunk
+    """
+
+    PATHS = ("decode", "prefill")
+
+    def __init__(self, engine, name: str = "engine", batch: int | None = None, top_k: int = 5,
+                 forced: str = "decode"):
+        if forced not in self.PATHS:
+            raise ValueError(f"EngineSide(forced={forced!r}): one of {self.PATHS}")
+        self.engine, self.name, self.batch, self.top_k, self.forced = engine, name, batch, top_k, forced
+
+    def run(self, prompts, max_tokens: int, forced=None, order=None, batch: int | None = None,
+            path: str | None = None) -> Run:
         from ..engine.sequence import SamplingParams
         eng = self.engine
         n = len(prompts)
         order = list(order) if order is not None else list(range(n))
         size = batch or self.batch or n
+        path = path or self.forced
+        verify = forced is not None and path == "prefill"
         out: dict[int, object] = {}
         for start in range(0, n, size):
             ids = {}
             for i in order[start:start + size]:
                 f = tuple(forced[i]) if forced is not None else ()
+                if verify:
+                    p = list(prompts[i])
+                    sp = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=self.top_k,
+                                        prompt_logprobs_from=len(p))
+                    ids[eng.add_request(p + list(f), sp)] = i
+                    continue
                 sp = SamplingParams(max_tokens=len(f) if f else max_tokens, ignore_eos=True, logprobs=self.top_k,
                                     forced_token_ids=f)
                 ids[eng.add_request(prompts[i], sp)] = i
@@ -65,6 +89,11 @@ class EngineSide:
                     if o.finished and o.request_id in ids:
                         out[ids[o.request_id]] = o
         runs = [out[i] for i in range(n)]
+        if verify:
+            lps = [o.prompt_logprobs for o in runs]
+            return Run([list(forced[i]) for i in range(n)], [np.asarray([x[0] for x in lp]) for lp in lps],
+                       [np.asarray([x[1] for x in lp]).reshape(len(lp), -1) for lp in lps],
+                       [np.asarray([x[2] for x in lp]).reshape(len(lp), -1) for lp in lps])
         return Run([list(o.token_ids) for o in runs], [np.asarray([x[0] for x in o.logprobs]) for o in runs],
                    [np.asarray([x[1] for x in o.logprobs]) for o in runs],
                    [np.asarray([x[2] for x in o.logprobs]) for o in runs])

@@ -37,6 +37,9 @@ class PackedBatch:
     cu_seqlens_q_np: np.ndarray
     page_size: int
     attn_plan: object = None       # the attention backend's per-step index plan, shared by all layers
+    # (sequence, first position, count): prompt rows whose logits follow the sampled rows in
+    # logits_indices, for SamplingParams.prompt_logprobs
+    prompt_logprob_spans: list = None
 
     @property
     def num_seqs(self) -> int:
@@ -118,6 +121,7 @@ class BatchBuilder:
         # A row is sampled when its sequence has computed every known token after this step.
         total = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=b)
         sample_seq_idx = np.nonzero(ctx == total)[0]
+        spans = None
         if all_logits:
             s = t
             logits_indices = torch.arange(t, device=self.device)
@@ -125,6 +129,8 @@ class BatchBuilder:
             s = len(sample_seq_idx)
             self.logits_indices.np[:s] = cu_q[1:][sample_seq_idx] - 1
             logits_indices = self.logits_indices.publish(s)
+            if any(x.params.prompt_logprobs for x in seqs):
+                logits_indices, spans = self._prompt_rows(seqs, starts, ctx, cu_q, logits_indices)
 
         # The kernels read the device buffer; bind=False leaves it as the last step left it.
         bt = self.block_tables.bind() if bind else self.block_tables.view()
@@ -147,4 +153,20 @@ class BatchBuilder:
             context_lens_np=ctx,
             cu_seqlens_q_np=cu_q.copy(),
             page_size=ps,
+            prompt_logprob_spans=spans,
         )
+
+    def _prompt_rows(self, seqs, starts, ctx, cu_q, sampled_rows):
+        """The rows of this step's prompt positions whose next prompt token is scored: position p of
+        a chunk [start, ctx) with prompt_logprobs_from - 1 <= p < prompt length - 1 (the last prompt
+        position is the sampled row). Appended after the sampled rows; one span per sequence."""
+        rows, spans = [sampled_rows.cpu().numpy()], []
+        for i, x in enumerate(seqs):
+            if not x.params.prompt_logprobs:
+                continue
+            lo = max(int(starts[i]), x.params.prompt_logprobs_from - 1)
+            hi = min(int(ctx[i]), len(x.prompt_token_ids) - 1)
+            if hi > lo:
+                rows.append(int(cu_q[i]) - int(starts[i]) + np.arange(lo, hi))
+                spans.append((x, lo, hi - lo))
+        return torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(self.device), spans

@@ -344,6 +344,9 @@ class Engine:
                 seq.num_computed_tokens += n
                 self.kv_manager.cache_full_pages(seq)
         sampled = [batch.seqs[i] for i in batch.sample_seq_idx]
+        if batch.prompt_logprob_spans:       # prompt rows follow the sampled rows
+            self.sampler.prompt_logprobs(logits[len(sampled):], batch.prompt_logprob_spans)
+            logits = logits[:len(sampled)]
         if sampled:
             tokens = self.sampler(logits, sampled)
             if self.sampler.wants_logprobs(sampled):
@@ -395,7 +398,9 @@ class Engine:
             finish_reason=seq.finish_reason, num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            logprobs=list(seq.logprobs) if seq.params.logprobs else None, _tokenizer=self.tokenizer)
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+            _tokenizer=self.tokenizer)
 
     # ---- convenience ------------------------------------------------------
     def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams] | None = None,

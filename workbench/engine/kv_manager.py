@@ -35,6 +35,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], []
         n = (seq.num_tokens - 1) // self.page_size
+        if seq.params.prompt_logprobs:          # rows from prompt_logprobs_from - 1 on must be computed
+            n = min(n, (seq.params.prompt_logprobs_from - 1) // self.page_size)
         if n <= 0:
             return [], []
         memo = seq.hash_chain

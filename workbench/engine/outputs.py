@@ -23,6 +23,9 @@ class RequestOutput:
     finish_time: float | None = None
     # SamplingParams.logprobs > 0: per output token (log-prob of the token, top-k ids, top-k log-probs)
     logprobs: list | None = None
+    # SamplingParams.prompt_logprobs > 0: per prompt position from prompt_logprobs_from on, the same
+    # triple for that prompt token given the ones before it
+    prompt_logprobs: list | None = None
     _tokenizer: object = field(default=None, repr=False, compare=False)
     _text: str | None = field(default=None, repr=False, compare=False)
 

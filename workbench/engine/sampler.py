@@ -10,6 +10,9 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list) -> list[int]:
+        if all(len(s.output_token_ids) < len(s.params.forced_token_ids) for s in seqs):
+            # every row teacher-forced (a triage's forced pass): nothing to sample
+            return [s.params.forced_token_ids[len(s.output_token_ids)] for s in seqs]
         tokens = self._sample(logits, seqs)
         if any(s.params.forced_token_ids for s in seqs):
             for row, seq in enumerate(seqs):           # teacher forcing: the given token, not the model's
@@ -36,8 +39,30 @@ class Sampler:
         return {r: (chosen[i], ids[i][:seqs[r].params.logprobs], vals[i][:seqs[r].params.logprobs])
                 for i, r in enumerate(rows)}
 
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, spans: list) -> None:
+        """Each span (sequence, first position p0, count) owns the next `count` logits rows: row j
+        scores prompt token p0 + j + 1. Stored on the sequence by prompt position (from
+        prompt_logprobs_from), so a preempted request's recompute overwrites, never appends."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+        want = torch.tensor([t for seq, p0, n in spans for t in seq.prompt_token_ids[p0 + 1:p0 + 1 + n]])
+        chosen = lp[torch.arange(len(want)), want].tolist()
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+        row = 0
+        for seq, p0, n in spans:
+            first, kk = seq.params.prompt_logprobs_from, seq.params.prompt_logprobs
+            out = seq.prompt_logprobs
+            if len(out) < len(seq.prompt_token_ids) - first:
+                out.extend([None] * (len(seq.prompt_token_ids) - first - len(out)))
+            for j in range(n):
+                out[p0 + 1 + j - first] = (chosen[row + j], ids[row + j][:kk], vals[row + j][:kk])
+            row += n
+
     def _sample(self, logits: torch.Tensor, seqs: list) -> list[int]:
-        greedy = logits.argmax(dim=-1)
+        # max(dim).indices: argmax's first-maximum (and NaN) rule, ~3x faster on the CPU (64 x 49k rows)
+        greedy = logits.max(dim=-1).indices
         if all(s.params.temperature == 0 for s in seqs):
             return greedy.tolist()
         out = greedy.clone()

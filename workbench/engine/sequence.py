@@ -26,6 +26,13 @@ class SamplingParams:
     # model prefers (the log-probs stay the model's own). Divergence triage runs one engine on
     # another's tokens this way, pages, prefix cache and batching included.
     forced_token_ids: tuple[int, ...] = ()
+    # Per prompt position from prompt_logprobs_from on: the log-prob of that prompt token given the
+    # ones before it, and the top-k (k = prompt_logprobs; 0: none), as vLLM's prompt_logprobs. Computed
+    # by the prefill that runs the prompt (its chunks read the earlier chunks' K/V from the pages);
+    # the prefix cache serves no page past prompt_logprobs_from - 1 (those rows must be computed).
+    # Teacher forcing a whole continuation in a few prefill steps: divergence triage's fast path.
+    prompt_logprobs: int = 0
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +47,11 @@ class SamplingParams:
         if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0:
             raise ValueError(f"SamplingParams.logprobs must be an int >= 0 (top-k per token), got {self.logprobs!r}")
         self.forced_token_ids = tuple(self.forced_token_ids)
+        for name in ("prompt_logprobs", "prompt_logprobs_from"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name.endswith("from") else 0):
+                raise ValueError(f"SamplingParams.{name} must be an int >= {1 if name.endswith('from') else 0}, "
+                                 f"got {v!r}")
         bad = [t for t in self.forced_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
         if bad:
             raise ValueError(f"SamplingParams.forced_token_ids must be token ids (ints >= 0), got {bad[:3]!r}")
@@ -69,6 +81,7 @@ class Sequence:
     user_request_id: object = None                          # the id a caller or trace gave
     generator: object = None                                # torch.Generator of a seeded request
     logprobs: list = field(default_factory=list)            # per output token (params.logprobs > 0): see Sampler
+    prompt_logprobs: list = field(default_factory=list)     # per prompt position from params.prompt_logprobs_from
 
     def __post_init__(self):
         if not self.token_ids:
