@@ -7,9 +7,7 @@ engine state is mutated inside step(), on the thread that drives the engine.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
@@ -28,12 +26,13 @@ from .device import resolve_device
 from .attention import resolve_choice
 from .kernels.selection import from_engine as kernel_selection
 from .kv_cache import torch_dtype
-from .kv_manager import pages_for
+from .intake import RequestIntake
 from .model import LlamaModel
 from .outputs import RequestOutput, RequestRejected
+from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
-from .sequence import SamplingParams, Sequence, SeqStatus
+from .sequence import SamplingParams, Sequence
 from .stack import DEFAULT_NUM_PAGES, KVStack, build_stack, kv_dtypes, pool_pages  # noqa: F401
 from .weights import LoadedModel, default_model_path, load_model
 
@@ -75,11 +74,12 @@ class Engine:
             self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
                                     max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None,
                                     quantized=loaded.quantized, switches=config)
+        self.sampler = Sampler(config.seed)
+        self.runner = ModelRunner(self.model, self.sampler)     # prepare inputs, forward, sample
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
         self._install(build_stack(config, pool_pages(config, mc), stack_mc, self.device, self.max_model_len))
         if self.parallel is not None:
             self.parallel.bind(self)
-        self.sampler = Sampler(config.seed)
         # Events: emitted only for types someone subscribes to (see instrumentation.py).
         self.bus = EventBus()
         self.model_hooks = instrumentation.ModelHooks(self)
@@ -107,10 +107,7 @@ class Engine:
         self.last_schedule: SchedulerOutput | None = None   # what the scheduler decided for last_batch
         self._idle = True                                   # EngineIdle is emitted on the way into idle
         self._seqs: dict[int, Sequence] = {}
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._notices: queue.SimpleQueue = queue.SimpleQueue()   # rejections, for the event stream
-        self._ids = itertools.count()
-        self._id_lock = threading.Lock()
+        self.intake = RequestIntake(self.tokenizer, mc.vocab_size)   # validation, the thread-safe inbox
         # Consumers the config asks for (capture_trace) subscribe to the bus like any other;
         # the engine names them by module path only (consumers.py) and imports none of them.
         self.capture = consumers.from_config(self)
@@ -127,6 +124,7 @@ class Engine:
         self.config, self.num_pages = stack.config, stack.num_pages
         self.pool, self.kv_manager, self.scheduler = stack.pool, stack.kv_manager, stack.scheduler
         self.kv, self.builder, self.attn = stack.kv, stack.builder, stack.attn
+        self.runner.install(stack)
         self.last_batch = None
         # Which kernels run (attention, linear, pool ops, bf16), read back from the parts just built:
         # decided here once, not per step; kvwb doctor and the dashboard show it.
@@ -150,15 +148,8 @@ class Engine:
         """Swap stack in (live requests re-queued on it, recomputed); returns the stack it replaced."""
         with self.lock:
             old = self.stack
-            live = list(old.scheduler.running) + list(old.scheduler.waiting)
-            for s in live:
-                old.kv_manager.release(s)
-                s.num_computed_tokens = s.num_cached_tokens = 0
-                s.status = SeqStatus.WAITING
-            old.scheduler.running.clear()
-            old.scheduler.waiting.clear()
+            stack.scheduler.waiting.extend(old.scheduler.release_all())
             stack.scheduler.num_preemptions = old.scheduler.num_preemptions
-            stack.scheduler.waiting.extend(live)
             self._install(stack)
             self._publish_stats()
         return old
@@ -177,24 +168,7 @@ class Engine:
 
     # ---- submission (any thread) -----------------------------------------
     def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this model has no tokenizer: pass token ids, not text")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            if self.tokenizer is None:
-                raise RequestRejected("this model has no tokenizer: pass token ids, not chat messages")
-            return self.tokenizer.apply_chat_template(list(prompt))
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for j, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise RequestRejected(f"prompt token {j} is {t!r}: token ids must be ints in [0, {vocab})")
-            return ids
-        raise RequestRejected(f"a prompt is text, a list of token ids or chat messages, not {type(prompt).__name__}")
+        return self.intake.prompt_ids(prompt)
 
     def validate_prompt(self, ids: list[int]) -> None:
         lifecycle.check_prompt_len(len(ids), self.max_model_len, self.num_pages, self.config.page_size)
@@ -204,14 +178,12 @@ class Engine:
         """Queue a request; returns its id. Raises RequestRejected, changing nothing, if it can never run."""
         params = params or SamplingParams()
         try:
-            ids = self._prompt_ids(prompt)
+            ids = self.intake.prompt_ids(prompt)
             self.validate_prompt(ids)
         except RequestRejected as e:
-            n = len(prompt) if isinstance(prompt, (list, tuple, str)) else 0
-            self._notices.put((request_id, n, str(e)))     # reported as an event by the engine thread
+            self.intake.reject(request_id, prompt, str(e))     # reported as an event by the engine thread
             raise
-        with self._id_lock:
-            rid = next(self._ids)
+        rid = self.intake.new_id()
         seq = Sequence(rid, ids, params, user_request_id=request_id,
                        max_len=lifecycle.max_len(len(ids), params.max_tokens, self.max_model_len, self.num_pages,
                                                  self.config.page_size))
@@ -230,7 +202,7 @@ class Engine:
                 # request then shows from the next step's publish) but never counts it twice.
                 with self._stats_lock:
                     self._stats_snapshot["num_waiting"] += 1
-            self._inbox.put(("add", seq))
+            self.intake.add(seq)
         finally:
             lock.release()
         return rid
@@ -242,16 +214,12 @@ class Engine:
         lock = self.table_lock(request_id)
         lock.acquire(site="engine.py abort")
         try:
-            # The engine issues ids from 0 up: a negative one (generate()'s keys for rejected
-            # prompts, score()'s scratch sequences, lock_storm's streams) names nothing to
-            # finish, and queueing it would hold has_unfinished() true and EngineIdle off.
-            if not (isinstance(request_id, int) and request_id < 0):
-                self._inbox.put(("abort", request_id))
+            self.intake.abort(request_id)
         finally:
             lock.release()
 
     def has_unfinished(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_unfinished()
+        return not self.intake.empty() or self.scheduler.has_unfinished()
 
     def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache entry (after a fix, or between benchmark rounds).
@@ -266,18 +234,11 @@ class Engine:
 
     # ---- the step (engine thread) ----------------------------------------
     def _drain_inbox(self) -> list[RequestOutput]:
-        while not self._notices.empty():
-            rid, n, why = self._notices.get_nowait()
+        for rid, n, why in self.intake.drain_notices():
             if self.bus.wants(RequestRejectedEvent):
                 self.bus.emit(RequestRejectedEvent(self.step_count, now_ns(), rid, n, why))
         aborted = []
-        # What was queued when the step began, no more: submitters that keep the inbox full
-        # (a storm of add + abort) must not keep the step draining forever.
-        for _ in range(self._inbox.qsize()):
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for kind, item in self.intake.drain():
             if kind == "add":
                 self._seqs[item.request_id] = item
                 self.scheduler.add(item)
@@ -331,40 +292,21 @@ class Engine:
         lifecycle.emit_schedule(bus, self.step_count, now_ns(), sched)
         self.last_schedule = sched
         with self.lock:
-            batch = self.builder.build(sched.scheduled)
+            batch = self.runner.prepare(sched)
         self.last_batch = batch
         if bus.wants(BlockTableBound):
             bt = self.builder.block_tables
             bus.emit(BlockTableBound(self.step_count, now_ns(), bt.version, bt.checksum, *bt.shape))
         if bus.wants(BatchPacked):
             lifecycle.emit_packed(bus, self.step_count, now_ns(), sched, batch)
-        logits = self.model.forward(batch, self.kv, self.attn)
+        out = self.runner.execute(sched, batch)
         with self.lock:
-            for seq, n in sched.scheduled:
-                seq.num_computed_tokens += n
-                self.kv_manager.cache_full_pages(seq)
-        sampled = [batch.seqs[i] for i in batch.sample_seq_idx]
-        if batch.prompt_logprob_spans:       # prompt rows follow the sampled rows
-            self.sampler.prompt_logprobs(logits[len(sampled):], batch.prompt_logprob_spans)
-            logits = logits[:len(sampled)]
-        if sampled:
-            tokens = self.sampler(logits, sampled)
-            if self.sampler.wants_logprobs(sampled):
-                for row, lp in self.sampler.logprobs(logits, sampled, tokens).items():
-                    sampled[row].logprobs.append(lp)
-            now = time.perf_counter()
-            for seq, tok in zip(sampled, tokens):
-                seq.append_token(tok)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason = lifecycle.stop_reason(seq, tok, self.eos_token_ids)
-                if reason is not None:
-                    with self.lock:
-                        self.scheduler.finish(seq, reason)
-                    seq.finish_time = now
-                    del self._seqs[seq.request_id]
-                    lifecycle.emit_finished(bus, self.step_count, now_ns(), seq)
-                outputs.append(self._output(seq))
+            produced, finished = self.scheduler.update_from_output(sched, out, time.perf_counter(),
+                                                                   self.eos_token_ids)
+        for seq in finished:
+            del self._seqs[seq.request_id]
+            lifecycle.emit_finished(bus, self.step_count, now_ns(), seq)
+        outputs.extend(map(self._output, produced))
         if bus.wants(StepFinished):
             kv_read, kv_written = self.step_bytes(batch)
             lifecycle.emit_step(bus, self.step_count, now_ns(), time.perf_counter_ns() - t0, sched, self.pool,
@@ -375,7 +317,7 @@ class Engine:
 
     def _note_idle(self) -> None:
         """Emit EngineIdle once, when the last request has left (finished, aborted or rejected)."""
-        if self._idle or self.scheduler.has_unfinished() or not self._inbox.empty():
+        if self._idle or self.scheduler.has_unfinished() or not self.intake.empty():
             return
         self._idle = True
         if self.bus.wants(EngineIdle):
@@ -445,23 +387,12 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("score() needs an idle engine: finish or abort the running requests first")
         seqs = []
-        try:
-            for i, prompt in enumerate(prompts):
-                ids = self._prompt_ids(prompt)
-                self.validate_prompt(ids)
-                seq = Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1)
-                seq.pages = self.pool.allocate(pages_for(len(ids), self.config.page_size), seq.request_id)
-                seq.page_generations = [self.pool.generation[p] for p in seq.pages]
-                seqs.append(seq)
-            scheduled = [(s, s.num_tokens) for s in seqs]
-            self.last_schedule = SchedulerOutput(scheduled=scheduled)
-            batch = self.builder.build(scheduled, all_logits=True)
-            logits = self.model.forward(batch, self.kv, self.attn)
-        finally:
-            for s in seqs:
-                self.kv_manager.release(s)
-        cu = batch.cu_seqlens_q_np
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
+        for i, prompt in enumerate(prompts):
+            ids = self._prompt_ids(prompt)
+            self.validate_prompt(ids)
+            seqs.append(Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1))
+        self.last_schedule = SchedulerOutput(scheduled=[(s, s.num_tokens) for s in seqs])
+        return self.runner.score(self.kv_manager, seqs)
 
     def stats(self) -> dict:
         """Pool, queue and prefix-cache counters.

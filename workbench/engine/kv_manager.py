@@ -91,6 +91,13 @@ class KVCacheManager:
             self.prefix_cache_hits += num_cached
         return num_new
 
+    def allocate_fresh(self, seq: Sequence) -> None:
+        """Pages for every token of seq, none from the prefix cache (a scoring pass computes every
+        row). NoFreePages, changing nothing, when the pool cannot hold them."""
+        pages, gens = self.pool.allocate_with_generations(pages_for(seq.num_tokens, self.page_size), seq.request_id)
+        seq.pages, seq.page_generations = pages, gens
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate the pages seq needs to compute num_new_tokens more; False if the pool is short."""
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size) - len(seq.pages)   # pages_for

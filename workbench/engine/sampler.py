@@ -40,25 +40,22 @@ class Sampler:
                 for i, r in enumerate(rows)}
 
     @staticmethod
-    def prompt_logprobs(logits: torch.Tensor, spans: list) -> None:
+    def prompt_logprobs(logits: torch.Tensor, spans: list) -> list:
         """Each span (sequence, first position p0, count) owns the next `count` logits rows: row j
-        scores prompt token p0 + j + 1. Stored on the sequence by prompt position (from
-        prompt_logprobs_from), so a preempted request's recompute overwrites, never appends."""
+        scores prompt token p0 + j + 1. Returns (sequence, p0, entries) per span, entries as
+        logprobs() gives them (the scheduler stores them by position: a recompute overwrites)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
         want = torch.tensor([t for seq, p0, n in spans for t in seq.prompt_token_ids[p0 + 1:p0 + 1 + n]])
         chosen = lp[torch.arange(len(want)), want].tolist()
         top = lp.topk(min(k, lp.shape[-1]), dim=-1)
         ids, vals = top.indices.tolist(), top.values.tolist()
-        row = 0
+        out, row = [], 0
         for seq, p0, n in spans:
-            first, kk = seq.params.prompt_logprobs_from, seq.params.prompt_logprobs
-            out = seq.prompt_logprobs
-            if len(out) < len(seq.prompt_token_ids) - first:
-                out.extend([None] * (len(seq.prompt_token_ids) - first - len(out)))
-            for j in range(n):
-                out[p0 + 1 + j - first] = (chosen[row + j], ids[row + j][:kk], vals[row + j][:kk])
+            kk = seq.params.prompt_logprobs
+            out.append((seq, p0, [(chosen[r], ids[r][:kk], vals[r][:kk]) for r in range(row, row + n)]))
             row += n
+        return out
 
     def _sample(self, logits: torch.Tensor, seqs: list) -> list[int]:
         # max(dim).indices: argmax's first-maximum (and NaN) rule, ~3x faster on the CPU (64 x 49k rows)

@@ -12,7 +12,7 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import seq_ops
+from . import lifecycle, seq_ops
 from .kv_manager import KVCacheManager
 from .sequence import Sequence, SeqStatus
 
@@ -93,15 +93,75 @@ class Scheduler:
             budget -= n
         return out
 
+    def update_from_output(self, sched: SchedulerOutput, out, now: float,
+                           eos_token_ids=frozenset()) -> tuple[list[Sequence], list[Sequence]]:
+        """Apply a step's results (out: a ModelRunnerOutput): every scheduled sequence's tokens are
+        computed, its newly full pages registered in the prefix cache; each sampled sequence takes
+        its token and the ones that stop are finished (pages back). Returns (produced, finished),
+        in batch order. The engine and the simulator both end their step here.
+
+        A cost model's output has no tokens (out.tokens None): each sequence whose context is then
+        computed produces one counted token and stops by the length rule alone, in one loop over
+        the batch (seq_ops.advance, compiled where it builds: a replay runs it ~90k times)."""
+        kv, finished = self.kv, []
+        if out.tokens is None:
+            produced, special = [], []
+            ps, register = kv.page_size, kv.enable_prefix_caching
+            self._ops.advance(sched.scheduled, ps, register, now, produced, special)
+            for seq, done in special:                     # a page filled, or the length rule stops it
+                if register and seq.num_computed_tokens // ps > len(seq.page_hashes):
+                    kv.cache_full_pages(seq)
+                if done:
+                    self._finish_at(seq, "length", now, finished)
+            return produced, finished
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            kv.cache_full_pages(seq)
+        for seq, first, entries in out.prompt_logprobs or ():
+            store = seq.prompt_logprobs
+            base = first + 1 - seq.params.prompt_logprobs_from
+            if len(store) < base + len(entries):
+                store.extend([None] * (base + len(entries) - len(store)))
+            store[base:base + len(entries)] = entries
+        for row, lp in (out.logprobs or {}).items():
+            out.sampled[row].logprobs.append(lp)
+        for seq, tok in zip(out.sampled, out.tokens):
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = lifecycle.stop_reason(seq, tok, eos_token_ids)
+            if reason is not None:
+                self._finish_at(seq, reason, now, finished)
+        return out.sampled, finished
+
+    def _finish_at(self, seq: Sequence, reason: str, now: float, finished: list) -> None:
+        self.finish(seq, reason)
+        seq.finish_time = now
+        finished.append(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         seq.last_preemption = (len(seq.pages), seq.num_computed_tokens)
+        self._drop(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        """Pages back, progress gone, waiting again: it is recomputed when next admitted."""
         self.kv.release(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
-        seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+
+    def release_all(self) -> list[Sequence]:
+        """Every live request out of this scheduler, as a preemption that is not counted as one (a
+        repage moves them to another stack): running first, then waiting, in order."""
+        live = self.running + list(self.waiting)
+        for seq in live:
+            self._drop(seq)
+        self.running.clear()
+        self.waiting.clear()
+        return live
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove seq wherever it is and give its pages back."""

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import lifecycle, seq_ops
+from ..engine import lifecycle
 from ..engine.config import EngineConfig
+from ..engine.model_runner import ModelRunnerOutput
 from ..engine.instrumentation import pool_observer, wants_pool_events
 from ..engine.sequence import SamplingParams, Sequence
 from ..engine.stack import build_stack
@@ -39,6 +40,20 @@ class StepCost:
         a = np.vstack([np.ones_like(x), x]).T
         (c0, c1), *_ = np.linalg.lstsq(a, y, rcond=None)
         return cls(max(float(c0), 0.0), max(float(c1), 0.0))
+
+
+class CostModelRunner:
+    """The simulator's ModelRunner (engine/model_runner.py): no inputs to prepare, no forward; a step
+    takes StepCost's seconds and each sequence whose context is computed produces a counted token."""
+
+    def __init__(self, cost: StepCost):
+        self.cost = cost
+
+    def prepare(self, sched) -> None:
+        return None
+
+    def execute(self, sched, batch=None) -> ModelRunnerOutput:
+        return ModelRunnerOutput(None, None, seconds=self.cost(sched.num_tokens) if sched.scheduled else 0.0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -131,7 +146,7 @@ class Simulator:
         if config.num_pages is None:
             raise ValueError("simulate mode needs EngineConfig(num_pages=...): a KV byte budget needs a model")
         self.config = config
-        self.cost = cost or StepCost()
+        self.runner = CostModelRunner(cost or StepCost())
         # The engine's own pool, KV manager and scheduler (engine/stack.py), without tensors.
         self.stack = build_stack(config, config.num_pages)
         self.pool, self.kv_manager, self.scheduler = self.stack.pool, self.stack.kv_manager, self.stack.scheduler
@@ -142,9 +157,16 @@ class Simulator:
         self.last_num_tokens = 0
         self.last_finished: list[SimSequence] = []     # the sequences the last step finished
         self._next_id = 0
-        self._ops = seq_ops.active()
         self.bus.on_change.append(self._rewire)
         self._rewire()
+
+    @property
+    def cost(self) -> StepCost:
+        return self.runner.cost
+
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        self.runner.cost = cost
 
     def _rewire(self) -> None:
         if wants_pool_events(self.bus):
@@ -181,23 +203,15 @@ class Simulator:
         self.last_num_tokens = n_tok
         if scheduled and bus.wants(BatchPacked):
             lifecycle.emit_packed(bus, step, t, sched)
-        dt = self.cost(n_tok) if scheduled else 0.0
+        # The engine's two calls: the cost model's "forward" (no inputs, no tokens, a step time),
+        # then the scheduler applies it exactly as it applies a real forward's output.
+        out = self.runner.execute(sched, self.runner.prepare(sched))
+        dt = out.seconds
         self.clock += dt
         clock = self.clock
-        produced, special, finished = [], [], []
-        kv, ps = self.kv_manager, self.config.page_size
-        register = kv.enable_prefix_caching
-        # Every sequence advanced in one call (seq_ops: compiled where it builds); the few whose
-        # page filled or whose length rule stops them come back, in batch order, for the pool work.
-        self._ops.advance(scheduled, ps, register, clock, produced, special)
-        for seq, done in special:
-            if register and seq.num_computed_tokens // ps > len(seq.page_hashes):
-                kv.cache_full_pages(seq)
-            if done:                                              # its last token: the length rule
-                self.scheduler.finish(seq, "length")
-                seq.finish_time = clock
-                finished.append(seq)
-                lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)
+        produced, finished = self.scheduler.update_from_output(sched, out, clock)
+        for seq in finished:
+            lifecycle.emit_finished(bus, step, int(clock * 1e9), seq)
         self.last_finished = finished
         if bus.wants(StepFinished):
             lifecycle.emit_step(bus, step, int(clock * 1e9), int(dt * 1e9), sched, self.pool, self.scheduler)
