@@ -130,7 +130,7 @@ def test_page_table_lock_config(tiny_llama_dir):
 def test_stats_reader_vs_the_step_lock(tiny_llama_dir, mode):
     eng = _engine(tiny_llama_dir, page_table_lock=mode)
     eng.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))
-    live = eng._stats(eng.pool)
+    live = eng._stats()
     got = {}
     with eng.lock:                       # the step lock is held (a step in flight)
         r = threading.Thread(target=lambda: got.setdefault("s", eng.stats()), daemon=True)
@@ -212,29 +212,29 @@ def test_add_request_abort_and_stats_vs_a_held_step_lock(sharp_llama_dir, mode):
     while eng.has_unfinished():
         outs.update({o.request_id: o for o in eng.step()})
     assert outs[first].finish_reason == "abort" and outs[box["add_request"]].finish_reason == "length"
-    assert eng.stats() == eng._stats(eng.pool) and eng.stats()["num_waiting"] == 0
+    assert eng.stats() == eng._stats() and eng.stats()["num_waiting"] == 0
 
 
 def test_sharded_stats_snapshot_is_fresh(sharp_llama_dir):
     eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64, page_table_lock="sharded"))
-    assert eng.stats() == eng._stats(eng.pool) and eng.stats()["steps"] == 0     # before any step
+    assert eng.stats() == eng._stats() and eng.stats()["steps"] == 0     # before any step
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = eng.add_request(PROMPTS[2], params)
     assert eng.stats()["num_waiting"] == 1          # counted at add_request, before the engine drains it
     b = eng.add_request(PROMPTS[2], params)
     assert eng.stats()["num_waiting"] == 2
     eng.step()
-    assert eng.stats() == eng._stats(eng.pool) and eng.stats()["num_running"] == 2
+    assert eng.stats() == eng._stats() and eng.stats()["num_running"] == 2
     eng.abort(b)
     eng.abort(-7)                                   # an id the engine never issues: nothing queued
     eng.step()
     st = eng.stats()
-    assert st == eng._stats(eng.pool) and st["num_running"] == 1
+    assert st == eng._stats() and st["num_running"] == 1
     while eng.has_unfinished():
         eng.step()
     assert eng.stats()["pages_cached"] > 0          # the finished prompt's full pages stay cached
     assert eng.reset_prefix_cache() > 0
-    assert eng.stats() == eng._stats(eng.pool) and eng.stats()["pages_cached"] == 0
+    assert eng.stats() == eng._stats() and eng.stats()["pages_cached"] == 0
     assert a >= 0 and not eng.has_unfinished()
 
 

@@ -27,6 +27,7 @@ from .attention import resolve_choice
 from .kernels.selection import from_engine as kernel_selection
 from .kv_cache import torch_dtype
 from .intake import RequestIntake
+from .table_locks import PageTableLocks
 from .model import LlamaModel
 from .outputs import RequestOutput, RequestRejected
 from .model_runner import ModelRunner
@@ -39,7 +40,6 @@ from .weights import LoadedModel, default_model_path, load_model
 log = logging.getLogger("workbench.engine")
 
 DEFAULT_NUM_PAGES = 2048
-PAGE_TABLE_SHARDS = 8              # lock domains with page_table_lock="sharded"
 Prompt = "str | list[int] | list[dict]"
 
 
@@ -84,19 +84,9 @@ class Engine:
         self.bus = EventBus()
         self.model_hooks = instrumentation.ModelHooks(self)
         self.bus.on_change.append(lambda: instrumentation.refresh(self))
-        # The page-table lock: scheduling, page allocation and binding happen under it.
-        self.lock = InstrumentedLock("page_table", self.bus, lambda: self.step_count)
-        # Who else takes it (field note 6): with page_table_lock="global", every caller of
-        # add_request / abort registers under it, every stats() reader reads under it, and
-        # streams update their tables under it (table_lock() returns it), so each of them
-        # waits for the step's critical sections and makes the step wait. "sharded": those
-        # callers take only their request's / stream's shard lock (table_lock(key)) and
-        # stats() returns a snapshot the engine publishes (_publish_stats), so none of them
-        # ever takes self.lock; only the step (and reset_prefix_cache) still does.
-        self.table_locks = ([InstrumentedLock(f"page_table[{i}]", self.bus, lambda: self.step_count)
-                             for i in range(PAGE_TABLE_SHARDS)] if config.page_table_lock == "sharded" else [])
-        self._stats_lock = threading.Lock()        # guards _stats_snapshot only (held for microseconds)
-        self._stats_snapshot: dict | None = None   # sharded: published at the end of __init__
+        # The page-table lock and who else takes it (field note 6; table_locks.py).
+        self.locks = PageTableLocks(config.page_table_lock, self.bus, lambda: self.step_count)
+        self.lock, self.table_locks = self.locks.step, self.locks.shards
         # Heartbeat for the watchdog: when the current (or last) step began, on which thread.
         self.step_started_ns = 0
         self.step_thread_id: int | None = None
@@ -196,12 +186,7 @@ class Engine:
         lock = self.table_lock(rid)
         lock.acquire(site="engine.py add_request")
         try:
-            if self.table_locks:
-                # Count it as waiting in the published snapshot now, not at the end of the next
-                # step. Bumped before the put: a publish racing with it may drop the bump (the
-                # request then shows from the next step's publish) but never counts it twice.
-                with self._stats_lock:
-                    self._stats_snapshot["num_waiting"] += 1
+            self.locks.count_arrival()             # sharded: the snapshot counts it at once
             self.intake.add(seq)
         finally:
             lock.release()
@@ -407,34 +392,17 @@ class Engine:
         lost a race with a publish, and anything that changes the pool between steps other
         than the paths above (a fault reserving pages), show from the next step's publish.
         """
-        if self.table_locks:
-            with self._stats_lock:
-                return dict(self._stats_snapshot)
-        self.lock.acquire(site="engine.py stats")
-        try:
-            return self._stats(self.pool)
-        finally:
-            self.lock.release()
+        return self.locks.read_stats(self._stats)
 
     def _publish_stats(self) -> None:
-        # Sharded only. Called on the engine thread, which mutates pool and scheduler only there,
-        # or under the step's lock (reset_prefix_cache): the counters it reads are the engine's
-        # own. A step's publish racing with a reset_prefix_cache from another thread may store
-        # the pre-reset counts over the reset's: stale until the next step.
-        if self.table_locks:
-            snap = self._stats(self.pool)
-            with self._stats_lock:
-                self._stats_snapshot = snap
+        self.locks.publish(self._stats)
 
     def table_lock(self, key: Any) -> InstrumentedLock:
-        """The lock a stream takes for its own requests and page table (add_request and abort take
-        table_lock(request id)): the step's own lock with "global", the key's shard with "sharded"."""
-        if not self.table_locks:
-            return self.lock
-        return self.table_locks[hash(key) % len(self.table_locks)]
+        """The lock a stream takes for its own requests and page table (table_locks.py)."""
+        return self.locks.for_key(key)
 
-    def _stats(self, pool) -> dict:
-        return lifecycle.stats(pool, self.scheduler, self.kv_manager, self.step_count)
+    def _stats(self) -> dict:
+        return lifecycle.stats(self.pool, self.scheduler, self.kv_manager, self.step_count)
 
     # ---- lifetime ---------------------------------------------------------------
     def close(self) -> None:
