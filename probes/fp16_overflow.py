@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from workbench.engine import instrumentation, kv_scale
 from workbench.engine.attention.native import row_absmax
 from workbench.engine.model import rms_norm
+from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
 FP16_MAX = 65504.0
@@ -50,23 +51,21 @@ HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16"))
 
 
 
-class _Tap:
-    """What ModelHooks calls; each method already guarded by the probe."""
+class _Tap(ModelTap):
+    """What ModelHooks calls; each method already guarded by the probe (set on the instance: no
+    extra call per layer). q feeds the score bound (computed in on_kv)."""
 
     def __init__(self, on_kv, on_hidden, on_q=None, measuring=lambda: True):
         self.on_kv, self.on_hidden = on_kv, on_hidden
         self._measuring = measuring
+        self.needs = frozenset({"kv", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
         if on_q is not None:
             self.on_q = on_q
 
-    @property
-    def reads_hidden(self) -> bool:
+    def reads_every_row(self) -> bool:
         """Every row's last hidden state is read on measured steps only: on the others the model
         may run its last layer for the sampled rows alone."""
         return self._measuring()
-
-    def on_scores(self, *a, **kw) -> None:     # part of the tap protocol; the bound is computed in on_kv
-        pass
 
 
 class FP16OverflowProbe(Probe):

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from workbench.engine import instrumentation
+from workbench.engine.taps import ModelTap
 from workbench.events import StepFinished
 from workbench.probe import Probe
 
@@ -94,26 +95,23 @@ def batch_reference(engine, batch) -> tuple[PackingReference, list[Mismatch]]:
     return ref, extra
 
 
-class FirstLayerTap:
+class FirstLayerTap(ModelTap):
     """Model-hook tap: fn(batch) once per forward at layer 0 before attention (the tables and
     index tensors are bound, no page read yet), after_fn(batch) once layer 0's attention ran
-    (the backend's plan exists)."""
+    (the backend's plan exists). No hidden state: the model may skip unsampled rows' last layer."""
 
     def __init__(self, fn, after_fn=None):
         self.fn, self.after_fn = fn, after_fn
+        # without after_fn, no call after each layer's attention
+        self.needs = frozenset({"kv", "attention_out"} if after_fn is not None else {"kv"})
 
     def on_kv(self, layer, k, v, batch) -> None:
         if layer == 0:
             self.fn(batch)
 
     def on_attention_out(self, layer, o, batch) -> None:
-        if layer == 0 and self.after_fn is not None:
+        if layer == 0:
             self.after_fn(batch)
-
-    reads_hidden = False             # on_hidden is a no-op: the model may skip unsampled rows' last layer
-
-    def on_hidden(self, layer, h, batch) -> None:
-        pass
 
 
 class PackingProbe(Probe):

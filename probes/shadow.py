@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from workbench.engine import instrumentation, kv_scale
 from workbench.engine.model import rope_tables
+from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
 # (exact, drift) by the coarsest dtype involved (model or KV cache). "exact": the same inputs
@@ -69,16 +70,14 @@ HINT_OLD = ("; or no bad write at all: the value was computed from a bad read in
             "that ran this token (the layers below hold the right K/V, so check that step's reads too)")
 
 
-class _Tap:
-    """What ModelHooks calls; each method already guarded by the probe."""
+class _Tap(ModelTap):
+    """What ModelHooks calls; each method already guarded by the probe (set on the instance: no
+    extra call per layer). No hidden state: the model may skip unsampled rows' last layer."""
+
+    needs = frozenset({"q", "kv", "attention_out"})
 
     def __init__(self, on_q, on_kv, on_out):
         self.on_q, self.on_kv, self.on_attention_out = on_q, on_kv, on_out
-
-    reads_hidden = False             # on_hidden is a no-op: the model may skip unsampled rows' last layer
-
-    def on_hidden(self, layer, h, batch) -> None:
-        pass
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

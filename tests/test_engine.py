@@ -227,15 +227,14 @@ def test_last_layer_runs_only_the_sampled_rows(tiny_llama_dir):
     assert seen == [t]
     torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5 * float(full.abs().max()))
 
-    class EveryRow:                      # a tap reading hidden states (the fp16 probe's kind)
-        def on_kv(self, layer, k, v, batch):
-            pass
+    class EveryRow(instrumentation.ModelTap):    # a tap reading every row's hidden state (the fp16 probe's kind)
+        needs = frozenset({"every_row_hidden"})
 
         def on_hidden(self, layer, h, batch):
             hidden.append(h.shape[0])
 
     class NoRows(EveryRow):
-        reads_hidden = False
+        needs = frozenset({"hidden"})
     for tap, want in ((EveryRow(), t), (NoRows(), s)):
         hidden = []
         instrumentation.add_tap(eng, tap)

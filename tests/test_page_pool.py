@@ -211,6 +211,21 @@ def test_lru_evicts_least_recently_freed_first():
     assert pool.num_evictions == 1 and pool.generation[a[0]] == 2
 
 
+def test_free_pages_and_holders_are_read_only_views():
+    pool = PagePool(4, PS)
+    a = pool.allocate(2, 1)
+    pool.acquire([a[0]], 2)                     # shared: two references, the pool keeps no owner names
+    assert pool.free_pages() == (2, 3) and [pool.holders(p) for p in range(4)] == [2, 1, 0, 0]
+    pool.free([a[1]], 1)                        # joins the queue's tail
+    free = pool.free_pages()
+    assert free == tuple(pool.free_order()) == (2, 3, a[1]) and isinstance(free, tuple)
+    assert pool.holders(a[1]) == 0 and pool.holders(a[0]) == 2
+    with pytest.raises(IndexError, match="outside the pool"):
+        pool.holders(4)
+    with pytest.raises(IndexError):
+        pool.holders(-1)
+
+
 def test_lookup_is_collision_safe():
     pool = PagePool(2, PS)
     p = pool.allocate(1, 1)[0]

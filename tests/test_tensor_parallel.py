@@ -254,12 +254,11 @@ SCRIPT = textwrap.dedent("""
         if mode == "driver-dies":
             eng.generate(ps, SamplingParams(max_tokens=3))
             os.kill(os.getpid(), signal.SIGKILL)
-        class Slow:                     # the driver spends its time inside the forward, as SmolLM2's does
+        class Slow(instrumentation.ModelTap):   # the driver spends its time inside the forward, as SmolLM2's does
+            needs = frozenset({"kv"})           # (tensor parallel keeps every row whatever the taps read)
             def on_kv(self, layer, k, v, batch):
                 if layer == 0:
                     time.sleep(0.05)
-            def on_hidden(self, layer, h, batch):
-                pass
         instrumentation.add_tap(eng, Slow())
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:

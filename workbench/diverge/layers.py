@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.taps import ModelTap
+
 FACTOR = 10.0       # a layer whose difference is this many times its own floor has left it
 MIN_REL = 1e-4      # relative differences below this are never a layer's departure
 
 
-class HiddenTap:
+class HiddenTap(ModelTap):
     """A model tap (engine.instrumentation.add_tap) that keeps, per layer, the hidden state of the
     row of request `rid` that computes each output token in `tokens` (the last query row of the step
     where the request has that many outputs and is sampled)."""
 
-    reads_hidden = True              # the last layer must run for every row: ours may not be sampled first
+    # every row's hidden state: the last layer must run for every row, ours may not be sampled first
+    needs = frozenset({"attention_out", "every_row_hidden"})
 
     def __init__(self, rid: int, tokens, num_layers: int):
         self.rid = rid
@@ -41,9 +44,6 @@ class HiddenTap:
                     return s.num_output_tokens, int(batch.cu_seqlens_q_np[j + 1]) - 1
                 return None
         return None
-
-    def on_kv(self, layer, k, v, batch) -> None:
-        pass
 
     def on_attention_out(self, layer, o, batch) -> None:
         at = self._row(batch)

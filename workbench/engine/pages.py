@@ -270,6 +270,18 @@ class PagePool:
     def refcounts(self) -> Sequence[int]:
         return self.ref
 
+    def free_pages(self) -> tuple[int, ...]:
+        """The free page ids in free-queue order (next to evict first), a read-only copy."""
+        return tuple(self.free_order())
+
+    def holders(self, page: int) -> int:
+        """How many references hold `page` now (its refcount; 0: free). The pool keeps no owner per
+        page: each call's owner goes only to the observer (the Pages* events), so which requests hold
+        it is for the live sequences' page lists to say (what page_table's scan checks this against)."""
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} outside the pool [0, {self.num_pages})")
+        return self.ref[page]
+
     def free_queue(self) -> "FreeQueueView":
         """The free queue's raw links, read-only, for a checker that walks them itself (the
         pool_accounting probe): it must not trust free_order(), the pool's own walk."""
