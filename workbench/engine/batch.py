@@ -65,6 +65,11 @@ class _Buffer:
 
 
 class BatchBuilder:
+    # Fault seams (faults/base.py Fault.patch may replace only these): `build`, wrapped to stage the
+    # table without binding it (stale_binding), or to corrupt what it packed (cu_seqlens_corrupt,
+    # page_out_of_range) or hand out fresh buffers (buffer_leak); same signature, a PackedBatch back.
+    FAULT_SEAMS = frozenset({"build"})
+
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
                  page_size: int, device: torch.device):
         self.page_size = page_size

@@ -20,6 +20,9 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class KVCacheManager:
+    # Fault seams: `try_admit` (an admission rule that refuses: admission_refuses_long_prompts).
+    FAULT_SEAMS = frozenset({"try_admit"})
+
     def __init__(self, pool: PagePool, enable_prefix_caching: bool = True):
         self.pool = pool
         self.page_size = pool.page_size

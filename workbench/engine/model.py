@@ -49,6 +49,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
+    # Fault seams: the projections `qkv` and `o`, replaced by Linears of the same shape (rescaled
+    # weights: fp16_kv_overflow).
+    FAULT_SEAMS = frozenset({"qkv", "o"})
+
     def __init__(self, sd: dict, i: int, cfg: ModelConfig, dtype, device, compute_dtype=None, quantized=None,
                  switches=None):
         """Projection weights in `dtype`, computed (and norms held) in `compute_dtype`;
@@ -77,6 +81,9 @@ def _linear_kw(switches) -> dict:
 
 
 class LlamaModel:
+    # Fault seams: `forward` (wrapped: the block-table bind drifted after the launch, stale_binding).
+    FAULT_SEAMS = frozenset({"forward"})
+
     def __init__(self, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
                  compute_dtype: torch.dtype | None = None, quantized: dict | None = None, switches=None):

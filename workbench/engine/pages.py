@@ -72,6 +72,9 @@ def hash_chain(parent_hash: int | None, blocks: list[tuple]) -> list[tuple[int, 
 
 
 class PagePool:
+    # Fault seams: `free` (a free that ignores the refcount: free_while_shared).
+    FAULT_SEAMS = frozenset({"free"})
+
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, ops: str = "auto"):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")

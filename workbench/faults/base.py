@@ -25,7 +25,14 @@ class Fault:
         self.enabled = False
 
     def patch(self, obj: Any, attr: str, value: Any) -> None:
-        """Set obj.attr = value, remembering how to put it back."""
+        """Set obj.attr = value, remembering how to put it back. Only a declared seam: the class
+        lists what a fault may replace (FAULT_SEAMS, each with its contract), so production code
+        names every place a fault can change it and never has to detect a patch."""
+        seams = seams_of(obj)
+        if attr not in seams:
+            raise TypeError(f"{type(self).__name__}: {type(obj).__name__}.{attr} is not a declared fault seam "
+                            f"(declared: {sorted(seams) or 'none'}); add it to {type(obj).__name__}.FAULT_SEAMS "
+                            "with its contract, or change the engine through its public API")
         had = attr in vars(obj) if hasattr(obj, "__dict__") else False
         old = getattr(obj, attr)
         setattr(obj, attr, value)
@@ -55,6 +62,11 @@ class Fault:
 
     def on_disable(self) -> None:
         pass
+
+
+def seams_of(obj: Any) -> frozenset:
+    """The attributes obj's class (or a base) declares a fault may replace: FAULT_SEAMS."""
+    return frozenset().union(*(vars(c).get("FAULT_SEAMS", ()) for c in type(obj).__mro__))
 
 
 def forget_cached_since(pool, before: dict) -> int:

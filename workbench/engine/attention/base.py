@@ -25,6 +25,7 @@ from ..batch import PackedBatch
 class AttentionBackend:
     name = "base"
     page_reader = None          # seam: a replacement for every page read (see the module docstring)
+    FAULT_SEAMS = frozenset({"page_reader"})   # what Fault.patch may replace (page_out_of_range)
     fuse_rope_write = True      # seam: allow the fused RoPE + K/V store where the backend has one
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
