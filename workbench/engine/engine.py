@@ -23,13 +23,13 @@ from . import consumers, env, instrumentation, lifecycle
 from .batch import PackedBatch
 from .config import EngineConfig
 from .device import resolve_device
-from .attention import resolve_choice
 from .kernels.selection import from_engine as kernel_selection
 from .kv_cache import torch_dtype
 from .intake import RequestIntake
 from .table_locks import PageTableLocks
-from .model import LlamaModel
-from .outputs import RequestOutput, RequestRejected
+from .generate import generate
+from .model_setup import build_model
+from .outputs import RequestOutput, RequestRejected, request_output
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -60,20 +60,7 @@ class Engine:
         self.kv_dtype, self.kv_scaled = kv_dtypes(config)   # fp16_scaled: fp16 pages with a scale each
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        # Tensor parallel (engine/parallel/): the driver starts the worker ranks and holds rank 0's
-        # shard, whose forward runs the step protocol; the stack is built for rank 0's heads.
-        self.parallel, stack_mc = None, mc
-        if config.tensor_parallel_size > 1:
-            from .parallel import Driver
-            self.parallel = Driver(loaded, config, self.device, self.dtype, self.max_model_len,
-                                   pool_pages(config, mc))
-            self.model, stack_mc = self.parallel.model, self.parallel.shard_config
-        else:
-            # torch_npu's ops take the query in the cache's dtype: no fp32 compute over bf16 storage there.
-            npu = resolve_choice(self.device.type, config.attention_backend) == "npu"
-            self.model = LlamaModel(mc, loaded.state_dict, self.dtype, self.device,
-                                    max_positions=self.max_model_len, compute_dtype=self.dtype if npu else None,
-                                    quantized=loaded.quantized, switches=config)
+        self.model, self.parallel, stack_mc = build_model(loaded, config, self.device, self.dtype, self.max_model_len)
         self.sampler = Sampler(config.seed)
         self.runner = ModelRunner(self.model, self.sampler)     # prepare inputs, forward, sample
         # Pool, KV manager, scheduler, batch builder, KV tensors, attention backend: one stack.
@@ -311,58 +298,16 @@ class Engine:
     # ---- events --------------------------------------------------------------
     def step_bytes(self, batch: PackedBatch) -> tuple[int, int]:
         """(KV bytes read, KV bytes written) by this step's attention, from the block tables."""
-        plan = batch.attn_plan
-        pages = plan.pages_read if plan is not None else 0
-        mc = self.model_config
-        elem = self.kv.k[0].element_size()
-        written = batch.num_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
-        return pages * self.kv.bytes_per_page, written
+        return lifecycle.step_bytes(batch, self.kv, self.model_config)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), finished=seq.is_finished,
-            finish_reason=seq.finish_reason, num_preemptions=seq.num_preemptions,
-            num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
-            _tokenizer=self.tokenizer)
+        return request_output(seq, self.tokenizer)
 
     # ---- convenience ------------------------------------------------------
     def generate(self, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; one output per prompt, in order. A prompt the engine
-        can never serve comes back with finish_reason 'rejected' and the reason in .error."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        results: dict[int, RequestOutput] = {}
-        order = []
-        for prompt, p in zip(prompts, plist):
-            try:
-                order.append(self.add_request(prompt, p))
-            except RequestRejected as e:
-                key = -1 - len(order)
-                order.append(key)
-                results[key] = RequestOutput(key, [], [], True, "rejected", error=str(e))
-        pending = {r for r in order if r >= 0}
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(pending), desc="generate", unit="req")
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [results[r] for r in order]
+        """Run prompts to completion; one output per prompt, in order (engine/generate.py)."""
+        return generate(self, prompts, params, progress)
 
     def score(self, prompts: Seq[Any]) -> list[torch.Tensor]:
         """Logits at every position of each prompt (teacher forcing), packed into one step.

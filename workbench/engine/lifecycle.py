@@ -88,6 +88,15 @@ def emit_step(bus: EventBus, step: int, t_ns: int, dt_ns: int, sched, pool, sche
                           len(scheduler.running), len(scheduler.waiting), scheduler.num_preemptions))
 
 
+def step_bytes(batch, kv, mc) -> tuple[int, int]:
+    """(KV bytes read, KV bytes written) by a step's attention: the pages its plan reads, and a K and
+    a V row per packed token per layer."""
+    plan = batch.attn_plan
+    pages = plan.pages_read if plan is not None else 0
+    written = batch.num_tokens * 2 * mc.num_kv_heads * mc.head_dim * kv.k[0].element_size() * mc.num_layers
+    return pages * kv.bytes_per_page, written
+
+
 def stats(pool, scheduler, kv_manager, steps: int) -> dict:
     """The counters operators scrape (what vLLM's /metrics exports, by our names)."""
     return {

@@ -35,3 +35,16 @@ class RequestOutput:
         if self._text is None:
             self._text = self._tokenizer.decode(self.token_ids) if self._tokenizer is not None else ""
         return self._text
+
+
+def request_output(seq, tokenizer=None) -> RequestOutput:
+    """What the engine hands back for seq now (a copy: later steps do not change it)."""
+    return RequestOutput(
+        request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids), finished=seq.is_finished,
+        finish_reason=seq.finish_reason, num_preemptions=seq.num_preemptions,
+        num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+        first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+        logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+        _tokenizer=tokenizer)
