@@ -92,3 +92,17 @@ def test_a_decode_path_fault_shows_in_forced_decode_not_in_forced_prefill(sharp_
         assert f.late_binds > 0                                   # the fault's seam really ran
     assert verdicts["decode"].count("corruption") >= 4, verdicts
     assert "corruption" not in verdicts["prefill"], verdicts
+
+
+def test_prompt_logprobs_under_tensor_parallel_equal_one_device(tiny_llama_dir):
+    """The prompt rows ride the step plan's logits_indices to every rank: TP=2 scores what TP=1 does."""
+    ps = prompts(4, seed=11)
+    sp = SamplingParams(max_tokens=2, prompt_logprobs=3, prompt_logprobs_from=5)
+    one = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=128, max_num_batched_tokens=32)).generate(ps, sp)
+    with Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=128, max_num_batched_tokens=32,
+                                                             tensor_parallel_size=2)) as eng:
+        two = eng.generate(ps, sp)
+    for a, b in zip(one, two):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 0
+        assert np.abs(np.array([x[0] for x in a.prompt_logprobs]) - np.array([x[0] for x in b.prompt_logprobs])).max() < 1e-4
+        assert [x[1] for x in a.prompt_logprobs] == [x[1] for x in b.prompt_logprobs]
