@@ -46,6 +46,10 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_a_prefix_hit(tiny_
     assert max(o.num_cached_tokens for o in eng.generate(ps, SamplingParams(max_tokens=1))) >= 32
     with pytest.raises(ValueError, match="prompt_logprobs_from must be an int >= 1"):
         SamplingParams(prompt_logprobs=1, prompt_logprobs_from=0)
+    from workbench.engine.outputs import RequestRejected
+    with pytest.raises(RequestRejected, match="prompt_logprobs_from=50 leaves no prompt token to score in a prompt of 12"):
+        eng.add_request(list(range(3, 15)), SamplingParams(prompt_logprobs=2, prompt_logprobs_from=50))
+    assert not eng.has_unfinished()
 
 
 def test_a_preempted_request_rescores_its_prompt_in_place(tiny_llama_dir, tiny_hf_model):

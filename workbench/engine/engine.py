@@ -157,6 +157,9 @@ class Engine:
         try:
             ids = self.intake.prompt_ids(prompt)
             self.validate_prompt(ids)
+            if params.prompt_logprobs and params.prompt_logprobs_from >= len(ids):
+                raise RequestRejected(f"prompt_logprobs_from={params.prompt_logprobs_from} leaves no prompt token to "
+                                      f"score in a prompt of {len(ids)} tokens")
         except RequestRejected as e:
             self.intake.reject(request_id, prompt, str(e))     # reported as an event by the engine thread
             raise
