@@ -109,6 +109,14 @@ def test_kvwb_diff_names_the_pair_and_exits_by_verdict(sharp_llama_dir, capsys):
     assert "A vs B: " in out and "request 2:" in out and " 0 corruption" in out.splitlines()[0]
     assert main(["diff", "engine?nope=1", "hf:x"]) == 2
     assert "'nope' is not an EngineConfig field" in capsys.readouterr().err
+    # B forced through its prefill (prompt log-probs), and where the time went
+    assert main(["diff", f"engine:{sharp_llama_dir}", f"engine:{sharp_llama_dir}?num_pages=64",
+                 "--limit", "3", "--max-tokens", "8", "--forced", "prefill", "--time"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 corruption" in out.splitlines()[0] and "time: A greedy" in out and "B teacher-forced" in out
+    assert main(["diff", f"engine:{sharp_llama_dir}", f"hf:{sharp_llama_dir}", "--limit", "2", "--max-tokens", "4",
+                 "--forced", "prefill"]) == 2
+    assert "--forced prefill needs an engine side to force" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", [None, "stale_binding"])

@@ -433,6 +433,11 @@ def _args_diff(p: argparse.ArgumentParser) -> None:
                    help="prompts from a trace or recording with token ids (default: 8 synthetic prompts sharing a prefix)")
     p.add_argument("--limit", type=int, default=8, help="at most this many prompts")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--forced", choices=("decode", "prefill"), default="decode",
+                   help="how an engine side B is teacher-forced: through its decode path (default: what "
+                        "production ran; a decode-path fault shows) or its prefill (prompt log-probs: faster, "
+                        "blind to decode-path faults)")
+    p.add_argument("--time", action="store_true", help="print where the triage's time went, phase by phase")
 
 
 def _side(spec: str):
@@ -482,8 +487,19 @@ def cmd_diff(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"kvwb diff: {e}", file=sys.stderr)
         return 2
+    from workbench.diverge import EngineSide
+    from workbench.engine import Engine
+    if not getattr(b, "has_logprobs", True) and isinstance(a, Engine):    # B a recording: A is the forced side
+        a = EngineSide(a, name="A", forced=args.forced)
+    elif isinstance(b, Engine):
+        b = EngineSide(b, name="B", forced=args.forced)
+    elif args.forced != "decode":
+        print(f"kvwb diff: --forced {args.forced} needs an engine side to force; B is {args.b}", file=sys.stderr)
+        return 2
     rep = triage(a, b, prompts, max_tokens=args.max_tokens)
     print(rep.summary())
+    if args.time:
+        print("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items()))
     for row in rep.rows:
         print(f"  request {row['request']}: {row['verdict']}"
               + (f" from token {row['first_token']}" if row["first_token"] is not None else "")
