@@ -89,14 +89,12 @@ class EngineSide:
                     if o.finished and o.request_id in ids:
                         out[ids[o.request_id]] = o
         runs = [out[i] for i in range(n)]
-        if verify:
-            lps = [o.prompt_logprobs for o in runs]
-            return Run([list(forced[i]) for i in range(n)], [np.asarray([x[0] for x in lp]) for lp in lps],
-                       [np.asarray([x[1] for x in lp]).reshape(len(lp), -1) for lp in lps],
-                       [np.asarray([x[2] for x in lp]).reshape(len(lp), -1) for lp in lps])
-        return Run([list(o.token_ids) for o in runs], [np.asarray([x[0] for x in o.logprobs]) for o in runs],
-                   [np.asarray([x[1] for x in o.logprobs]) for o in runs],
-                   [np.asarray([x[2] for x in o.logprobs]) for o in runs])
+        # verified: the forced tokens are the prompt's tail, scored by its prompt log-probs
+        toks = [list(forced[i]) for i in range(n)] if verify else [list(o.token_ids) for o in runs]
+        lps = [o.prompt_logprobs if verify else o.logprobs for o in runs]
+        return Run(toks, [np.asarray([x[0] for x in lp]) for lp in lps],
+                   [np.asarray([x[1] for x in lp]).reshape(len(lp), -1) for lp in lps],
+                   [np.asarray([x[2] for x in lp]).reshape(len(lp), -1) for lp in lps])
 
 
 class HFSide:

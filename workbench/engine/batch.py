@@ -135,7 +135,7 @@ class BatchBuilder:
             self.logits_indices.np[:s] = cu_q[1:][sample_seq_idx] - 1
             logits_indices = self.logits_indices.publish(s)
             if any(x.params.prompt_logprobs for x in seqs):
-                logits_indices, spans = self._prompt_rows(seqs, starts, ctx, cu_q, logits_indices)
+                logits_indices, spans = self._prompt_rows(seqs, starts, ctx, cu_q, self.logits_indices.np[:s])
 
         # The kernels read the device buffer; bind=False leaves it as the last step left it.
         bt = self.block_tables.bind() if bind else self.block_tables.view()
@@ -165,7 +165,7 @@ class BatchBuilder:
         """The rows of this step's prompt positions whose next prompt token is scored: position p of
         a chunk [start, ctx) with prompt_logprobs_from - 1 <= p < prompt length - 1 (the last prompt
         position is the sampled row). Appended after the sampled rows; one span per sequence."""
-        rows, spans = [sampled_rows.cpu().numpy()], []
+        rows, spans = [sampled_rows], []
         for i, x in enumerate(seqs):
             if not x.params.prompt_logprobs:
                 continue

@@ -69,7 +69,7 @@ class ModelRunner:
                 kv_manager.allocate_fresh(s)
                 taken.append(s)
             batch = self.builder.build([(s, s.num_tokens) for s in seqs], all_logits=True)
-            logits = self.model.forward(batch, self.kv, self.attn)
+            logits = self.forward(batch)
         finally:
             for s in taken:
                 kv_manager.release(s)

@@ -30,30 +30,20 @@ class Sampler:
         """row -> (log-prob of its token, top-k ids, top-k log-probs) for the rows that ask, from the
         logits as the model gave them (before temperature), in float32, in one batched op."""
         rows = [r for r, s in enumerate(seqs) if s.params.logprobs]
-        idx = torch.tensor(rows)
-        lp = torch.log_softmax(logits[idx].float(), dim=-1)
-        k = max(seqs[r].params.logprobs for r in rows)
-        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        chosen = lp[torch.arange(len(rows)), torch.tensor([tokens[r] for r in rows])].tolist()
-        ids, vals = top.indices.tolist(), top.values.tolist()
-        return {r: (chosen[i], ids[i][:seqs[r].params.logprobs], vals[i][:seqs[r].params.logprobs])
-                for i, r in enumerate(rows)}
+        entries = _scored(logits[torch.tensor(rows)], [tokens[r] for r in rows],
+                          [seqs[r].params.logprobs for r in rows])
+        return dict(zip(rows, entries))
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, spans: list) -> list:
         """Each span (sequence, first position p0, count) owns the next `count` logits rows: row j
         scores prompt token p0 + j + 1. Returns (sequence, p0, entries) per span, entries as
         logprobs() gives them (the scheduler stores them by position: a recompute overwrites)."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
-        want = torch.tensor([t for seq, p0, n in spans for t in seq.prompt_token_ids[p0 + 1:p0 + 1 + n]])
-        chosen = lp[torch.arange(len(want)), want].tolist()
-        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        ids, vals = top.indices.tolist(), top.values.tolist()
+        want = [t for seq, p0, n in spans for t in seq.prompt_token_ids[p0 + 1:p0 + 1 + n]]
+        entries = _scored(logits, want, [seq.params.prompt_logprobs for seq, _, n in spans for _ in range(n)])
         out, row = [], 0
         for seq, p0, n in spans:
-            kk = seq.params.prompt_logprobs
-            out.append((seq, p0, [(chosen[r], ids[r][:kk], vals[r][:kk]) for r in range(row, row + n)]))
+            out.append((seq, p0, entries[row:row + n]))
             row += n
         return out
 
@@ -83,3 +73,13 @@ class Sampler:
             gen = seq.generator or self.generator
             out[row] = torch.multinomial(probs, 1, generator=gen).item()
         return out.tolist()
+
+
+def _scored(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[tuple]:
+    """Per row: (log-prob of tokens[row], its top-ks[row] ids, their log-probs), from the logits in
+    float32, one log-softmax and one top-k over every row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    ids, vals = top.indices.tolist(), top.values.tolist()
+    return [(chosen[i], ids[i][:k], vals[i][:k]) for i, k in enumerate(ks)]
