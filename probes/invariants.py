@@ -180,6 +180,47 @@ def tokens_at(token_lists: Sequence[Sequence[int]], ref: PackingReference) -> np
                        dtype=np.int64, count=ref.num_tokens)
 
 
+# ---- a whole StepRecord (workbench/step_record.py): our engine's and vLLM's alike ----------
+def record_reference(record) -> PackingReference:
+    """The reference of a StepRecord, from its reference half only; built once per record."""
+    ref = getattr(record, "_reference", None)
+    if ref is None:
+        ref = record._reference = reference(record.computed, record.scheduled, record.pages, record.page_size)
+    return ref
+
+
+def membership_mismatches(record) -> list[Mismatch]:
+    """Rows the batch holds that the scheduler did not schedule, and scheduled requests it lacks."""
+    return ([Mismatch("scheduled", "batch.seqs", i, i, record.request_ids[i], None) for i in record.unscheduled]
+            + [Mismatch("scheduled", "batch.seqs", -1, -1, None, n) for n in record.missing])
+
+
+def record_mismatches(record, skip_kinds=()) -> list[Mismatch]:
+    """Every copy of a StepRecord against its reference, each named by the record's own name for
+    it (vLLM's block_table_tensor, our cu_seqlens_q_np ...). skip_kinds: kinds another check owns."""
+    ref = record_reference(record)
+    out = membership_mismatches(record)
+    twins = {}
+    for name, (kind, _) in record.copies.items():
+        if kind in skip_kinds:
+            continue
+        got = record.array(name)
+        if got is None:
+            continue
+        if kind == "block_table":
+            out += compare_table(got, ref, name, record.num_pages)
+        elif kind == "positions":
+            out += compare_tokens("positions", name, got.reshape(-1), ref.positions, ref)
+        elif kind == "slot_mapping":
+            out += compare_tokens("slot-mapping", name, got.reshape(-1), ref.slots, ref, skip=ref.slots < 0)
+        elif kind == "input_ids":
+            if record.token_ids is not None:
+                out += compare_tokens("input-ids", name, got.reshape(-1), tokens_at(record.token_ids, ref), ref)
+        else:
+            twins[name] = (got, kind)
+    return out + packing_mismatches(ref, twins=twins)
+
+
 # ---- the page pool -------------------------------------------------------------------
 @dataclass(frozen=True)
 class PoolViolation:

@@ -206,7 +206,8 @@ class LeakProbe(Probe):
     # ---- per-step tensors ---------------------------------------------------------
     def _track_batch(self, step: int) -> None:
         eng = self.engine
-        batch = eng.last_batch
+        rec = eng.step_record
+        batch = rec.batch if rec is not None else None
         if batch is None or batch is self._last_batch():
             return
         self._last_batch = weakref.ref(batch)

@@ -2,7 +2,7 @@
 
 Per forward (vectorised over tokens, read once at layer 0 through a model-hook tap), the
 reference is rebuilt from what each sequence itself holds — the tokens it had computed
-before the step, the chunk the scheduler gave it (engine.last_schedule), its page list
+before the step, the chunk the scheduler gave it (the step's StepRecord, engine.step_record), its page list
 and its token ids — never from the builder's outputs:
 
 - positions[t] == computed(seq) + t - start(seq): a RoPE position off by a chunk;
@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 
 from workbench.engine import instrumentation
+from workbench.engine.step import record_of
 from workbench.engine.taps import ModelTap
 from workbench.events import StepFinished
 from workbench.probe import Probe
+from workbench.step_record import StepRecord
 
 from . import invariants
 from .invariants import Mismatch, PackingReference
@@ -68,31 +70,25 @@ def _np(t) -> np.ndarray | None:
     return np.asarray(t, dtype=np.int64).reshape(-1)
 
 
-_last: list = [None, None]        # (batch, reference): both probes of one forward share it
+_last: list = [None, None]        # (batch, record) of a forward no step recorded: both probes share it
+
+
+def record_for(engine, batch) -> StepRecord:
+    """The StepRecord of the forward in flight: the engine's (made when it packed the batch), or, for
+    a forward no step planned (a direct model call), one from the batch's own sequences."""
+    rec = getattr(engine, "step_record", None)
+    if rec is not None and rec.batch is batch:
+        return rec
+    if _last[0] is not batch:
+        _last[0], _last[1] = batch, record_of(engine.step_count, None, batch, engine.pool.num_pages)
+    return _last[1]
 
 
 def batch_reference(engine, batch) -> tuple[PackingReference, list[Mismatch]]:
-    """The reference for this batch from the sequences' state and the scheduler's decision,
-    and the mismatches between the scheduler's decision and the batch's membership."""
-    if _last[0] is batch:
-        return _last[1]
-    seqs = batch.seqs
-    sched = getattr(engine, "last_schedule", None)
-    chunk = {id(s): n for s, n in sched.scheduled} if sched is not None else {}
-    q, extra = [], []
-    for i, s in enumerate(seqs):
-        n = chunk.pop(id(s), None)
-        if n is None:                 # not scheduled: the batch's own length is all there is
-            n = int(batch.query_lens_np[i]) if i < len(batch.query_lens_np) else 0
-            if sched is not None:
-                extra.append(Mismatch("scheduled", "batch.seqs", i, i, s.request_id, None))
-        q.append(n)
-    for s_id, n in chunk.items():     # scheduled but missing from the batch
-        extra.append(Mismatch("scheduled", "batch.seqs", -1, -1, None, n))
-    ref = invariants.reference([s.num_computed_tokens for s in seqs], q, [s.pages for s in seqs],
-                               batch.page_size)
-    _last[0], _last[1] = batch, (ref, extra)
-    return ref, extra
+    """The reference for this batch from the sequences' state and the scheduler's decision
+    (its StepRecord), and the mismatches between that decision and the batch's membership."""
+    rec = record_for(engine, batch)
+    return invariants.record_reference(rec), invariants.membership_mismatches(rec)
 
 
 class FirstLayerTap(ModelTap):
@@ -142,20 +138,11 @@ class PackingProbe(Probe):
             return
         t0 = time.perf_counter_ns()
         self.batches_checked += 1
-        ref, extra = batch_reference(self.engine, batch)
+        rec = record_for(self.engine, batch)
+        ref = invariants.record_reference(rec)
         self._pending = (step, batch, ref)
-        toks = invariants.tokens_at([s.token_ids for s in batch.seqs], ref)
-        found = list(extra)
-        found += invariants.packing_mismatches(
-            ref, positions=_np(batch.positions), slot_mapping=_np(batch.slot_mapping),
-            input_ids=_np(batch.input_ids), token_ids=toks,
-            twins={"query_lens_np": (batch.query_lens_np, "q"),
-                   "diff(cu_seqlens_q_np)": (batch.cu_seqlens_q_np, "diff_q"),
-                   "cu_seqlens_q_np": (batch.cu_seqlens_q_np, "cu_q"),
-                   "cu_seqlens_q": (_np(batch.cu_seqlens_q), "cu_q"),
-                   "context_lens_np": (batch.context_lens_np, "ctx"),
-                   "context_lens": (_np(batch.context_lens), "ctx"),
-                   "cu_seqlens_k": (_np(batch.cu_seqlens_k), "cu_k")})
+        # the block table is the page_table probe's (it reads the bound device buffer, names stale binds)
+        found = invariants.record_mismatches(rec, skip_kinds=("block_table",))
         found += self._check_maxima(batch, ref)
         found += self._check_logits(batch, ref)
         for m in found:

@@ -65,8 +65,8 @@ class PrefixCacheProbe(Probe):
     # ---- registration ----------------------------------------------------------------
     def on_registered(self, e: PagesRegistered) -> None:
         eng = self.engine
-        batch = eng.last_batch
-        seq = self._seq(e.request_id, batch.seqs if batch is not None else ()) or \
+        rec = eng.step_record
+        seq = self._seq(e.request_id, rec.batch.seqs if rec is not None and rec.batch is not None else ()) or \
             self._seq(e.request_id, eng.live_sequences())
         if seq is None:
             return

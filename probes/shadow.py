@@ -198,7 +198,8 @@ class ShadowProbe(Probe):
     # ---- which sequence, which layer -----------------------------------------------------
     def _pick(self, batch):
         seqs = batch.seqs
-        sched = getattr(self.engine.last_schedule, "scheduled", None) or []
+        rec = self.engine.step_record
+        sched = rec.schedule.scheduled if rec is not None and rec.batch is batch and rec.schedule else []
         if len(sched) == len(seqs) and all(s is t for (s, _), t in zip(sched, seqs)):
             ns = [int(n) for _, n in sched]                 # the scheduler's decision, not cu_seqlens
         else:                                               # a forward the scheduler did not plan

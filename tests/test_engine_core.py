@@ -13,6 +13,7 @@ from workbench.engine.model_runner import ModelRunner, ModelRunnerOutput
 from workbench.engine.outputs import RequestRejected
 from workbench.engine.pages import NoFreePages
 from workbench.engine.scheduler import Scheduler
+from workbench.engine.step import drain_inbox
 from workbench.trace.simulate import CostModelRunner, Simulator
 
 
@@ -67,7 +68,7 @@ def test_the_runner_computes_and_the_scheduler_applies(tiny_llama_dir):
     eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64))
     assert isinstance(eng.runner, ModelRunner)
     eng.add_request(prompts(1)[0], SamplingParams(max_tokens=3, logprobs=2))
-    eng._drain_inbox()
+    drain_inbox(eng)
     sched = eng.scheduler.schedule()
     batch = eng.runner.prepare(sched)
     seq = sched.scheduled[0][0]

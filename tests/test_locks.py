@@ -299,10 +299,10 @@ def test_lock_storm_caught_and_sharding_fixes_it(tiny_llama_dir, one_torch_threa
     assert not [f for f in fixed.findings if f.at_least("warn") and f.lock == "page_table"]
     shard_rows = fixed.frame()
     assert shard_rows.lock.str.startswith("page_table[").any()     # the storm went to its shards
-    # Nothing but the step takes the step's lock now, so it never waits for it; the streams'
+    # Nothing but the step (engine/step.py) takes the step's lock now, so it never waits for it; the streams'
     # aborts, the scrapers' stats() and generate()'s add_request calls are on shards or no lock.
     on_table = shard_rows[shard_rows.lock == "page_table"]
-    assert on_table.contended.sum() == 0 and on_table.site.str.contains("engine.py:").all()
+    assert on_table.contended.sum() == 0 and on_table.site.str.contains("step.py:").all()
     assert not on_table.site.isin(["engine.py add_request", "engine.py abort", "engine.py stats"]).any()
     shard_sites = set(shard_rows[shard_rows.lock.str.startswith("page_table[")].site)
     assert {"engine.py abort", "engine.py add_request"} <= shard_sites

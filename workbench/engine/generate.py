@@ -1,10 +1,13 @@
-"""generate(): prompts to completion through add_request and step, one output per prompt, in order."""
+"""generate(): prompts to completion through add_request and step, one output per prompt, in order;
+score(): every position's logits of prompts, teacher forced, in one step."""
 from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
 from .outputs import RequestOutput, RequestRejected
-from .sequence import SamplingParams
+from .scheduler import SchedulerOutput
+from .sequence import SamplingParams, Sequence
+from .step import record_of
 
 
 def generate(engine, prompts: Seq[Any] | str, params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -40,3 +43,20 @@ def generate(engine, prompts: Seq[Any] | str, params: SamplingParams | Seq[Sampl
     if bar is not None:
         bar.close()
     return [results[r] for r in order]
+
+
+def score(engine, prompts: Seq[Any]) -> list:
+    """Logits at every position of each prompt (teacher forcing), packed into one step, outside the
+    scheduler, on pages the KV manager lends; the step is recorded like any other (engine.step_record)."""
+    if engine.has_unfinished():
+        raise RuntimeError("score() needs an idle engine: finish or abort the running requests first")
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        ids = engine.intake.prompt_ids(prompt)
+        engine.validate_prompt(ids)
+        seqs.append(Sequence(-1 - i, ids, SamplingParams(), max_len=len(ids) + 1))
+    sched = SchedulerOutput(scheduled=[(s, s.num_tokens) for s in seqs])
+
+    def recorded(batch):
+        engine.step_record = record_of(engine.step_count, sched, batch, engine.num_pages)
+    return engine.runner.score(engine.kv_manager, seqs, on_batch=recorded)

@@ -1,7 +1,7 @@
 """Requests in: prompts turned into token ids and checked, and the thread-safe inbox.
 
 add_request and abort may be called from any thread; they only validate and push here. The engine
-thread drains the inbox at the start of each step (Engine._drain_inbox) and is the only one that
+thread drains the inbox at the start of each step (engine/step.py drain_inbox) and is the only one that
 changes the scheduler, the pool or a sequence. A prompt that can never run is rejected before it is
 queued (RequestRejected, naming the token or the limit), and the rejection is kept as a notice the
 engine thread reports as an event: nothing else changes.

@@ -60,15 +60,18 @@ class ModelRunner:
         lps = self.sampler.logprobs(logits, sampled, tokens) if self.sampler.wants_logprobs(sampled) else None
         return ModelRunnerOutput(sampled, tokens, lps, prompt_lps)
 
-    def score(self, kv_manager, seqs: list[Sequence]) -> list[torch.Tensor]:
+    def score(self, kv_manager, seqs: list[Sequence], on_batch=None) -> list[torch.Tensor]:
         """Logits at every position of each sequence, packed into one step on pages the KV manager
-        lends for it (every row computed: no prefix-cache hit) and takes back."""
+        lends for it (every row computed: no prefix-cache hit) and takes back. on_batch(batch):
+        called once the batch is packed, before the forward (the engine records it)."""
         taken = []
         try:
             for s in seqs:
                 kv_manager.allocate_fresh(s)
                 taken.append(s)
             batch = self.builder.build([(s, s.num_tokens) for s in seqs], all_logits=True)
+            if on_batch is not None:
+                on_batch(batch)
             logits = self.forward(batch)
         finally:
             for s in taken:

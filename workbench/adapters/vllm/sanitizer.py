@@ -20,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from probes import invariants
+from workbench.step_record import StepRecord
 
 PROBE_METADATA = "vllm_metadata"
 PROBE_POOL = "vllm_pool"
@@ -65,20 +66,34 @@ def finding(probe: str, kind: str, severity: str, message: str, step: int | None
 
 
 # ---- the attention metadata ---------------------------------------------------------------
+def vllm_record(step: int, req_ids: list[str], starts, q_lens, page_lists, block_size: int, num_blocks: int | None,
+                *, query_start_loc=None, seq_lens=None, block_table=None, slot_mapping=None,
+                positions=None) -> StepRecord:
+    """vLLM's side of a step as a StepRecord: the reference from the ledger (each request's computed
+    tokens, scheduled tokens and block ids), the copies CommonAttentionMetadata hands the kernels."""
+    copies = {name: (kind, arr) for name, kind, arr in (
+        ("block_table_tensor", "block_table", block_table), ("slot_mapping", "slot_mapping", slot_mapping),
+        ("positions", "positions", positions), ("query_start_loc", "cu_q", query_start_loc),
+        ("seq_lens", "ctx", seq_lens)) if arr is not None}
+    return StepRecord(step, "vllm", block_size, num_blocks, request_ids=list(req_ids), computed=starts,
+                      scheduled=q_lens, pages=[list(p) for p in page_lists], copies=copies)
+
+
 def metadata_findings(step: int, req_ids: list[str], starts, q_lens, page_lists, block_size: int,
-                      num_blocks: int | None, *, query_start_loc=None, seq_lens=None, block_table=None,
-                      slot_mapping=None, positions=None) -> list[dict]:
+                      num_blocks: int | None, **tensors) -> list[dict]:
     """CommonAttentionMetadata's tensors (as numpy) against the requests' own state."""
-    ref = invariants.reference(starts, q_lens, page_lists, block_size)
-    mism = []
-    if block_table is not None:
-        bt = np.asarray(block_table, dtype=np.int64)
-        mism += invariants.compare_table(bt, ref, "block_table_tensor", num_blocks)
+    return record_findings(vllm_record(step, req_ids, starts, q_lens, page_lists, block_size, num_blocks,
+                                       **tensors))
+
+
+def record_findings(record: StepRecord) -> list[dict]:
+    """A vLLM StepRecord checked by the probes' own code (invariants.record_mismatches), worded."""
+    step, req_ids, block_size, num_blocks = record.step, record.request_ids, record.page_size, record.num_pages
+    ref = invariants.record_reference(record)
+    mism = invariants.record_mismatches(record)
+    bt = record.array("block_table_tensor")
+    if bt is not None:
         mism += _out_of_range(bt, ref, num_blocks)
-    twins = {"query_start_loc": (query_start_loc, "cu_q"), "seq_lens": (seq_lens, "ctx")}
-    mism += invariants.packing_mismatches(
-        ref, positions=None if positions is None else np.asarray(positions, dtype=np.int64),
-        slot_mapping=None if slot_mapping is None else np.asarray(slot_mapping, dtype=np.int64), twins=twins)
     by_check = defaultdict(list)
     for m in mism:
         by_check[(m.check, m.copy)].append(m)

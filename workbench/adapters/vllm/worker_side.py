@@ -50,6 +50,7 @@ class MetadataWatch:
         self.executions = 0
         self.done_groups: set[int] = set()
         self.last_cm = None              # this execution's last metadata (update_block_table reuses it)
+        self.last_records: list = []     # the last check's StepRecords (two when kernel blocks split a block)
         self.since_check = 0
         self.checks = 0
         self.group_checks: dict[int, int] = {}     # KV cache group -> metadata checks run on it
@@ -172,20 +173,23 @@ class MetadataWatch:
         num_blocks = getattr(kv_cfg, "num_blocks", None)
         positions = None if getattr(cm, "positions", None) is None else _np(cm.positions, t)
         common = dict(query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n), positions=positions)
+        # the step as a StepRecord (workbench/step_record.py), checked by the probes' own invariants
         if kernel_bs == bs:
-            found = sanitizer.metadata_findings(self.executions, req_ids, starts, q, pages, bs, num_blocks,
-                                                block_table=_np(cm.block_table_tensor, n),
-                                                slot_mapping=_np(cm.slot_mapping, t), **common)
+            records = [sanitizer.vllm_record(self.executions, req_ids, starts, q, pages, bs, num_blocks,
+                                             block_table=_np(cm.block_table_tensor, n),
+                                             slot_mapping=_np(cm.slot_mapping, t), **common)]
         else:
             # the kernel reads kernel blocks: manager block b is b * stride + j, j < bs / kernel_bs
             # (AttentionGroup.map_to_kernel_block_table); the K/V write keeps the manager's slots
             stride = self._kernel_stride(builder, bs // kernel_bs)
             kpages = [kernel_pages(p, bs // kernel_bs, stride) for p in pages]
-            found = sanitizer.metadata_findings(
-                self.executions, req_ids, starts, q, kpages, kernel_bs,
-                None if num_blocks is None else num_blocks * stride, block_table=_np(cm.block_table_tensor, n))
-            found += sanitizer.metadata_findings(self.executions, req_ids, starts, q, pages, bs, num_blocks,
-                                                 slot_mapping=_np(cm.slot_mapping, t), **common)
+            records = [sanitizer.vllm_record(self.executions, req_ids, starts, q, kpages, kernel_bs,
+                                             None if num_blocks is None else num_blocks * stride,
+                                             block_table=_np(cm.block_table_tensor, n)),
+                       sanitizer.vllm_record(self.executions, req_ids, starts, q, pages, bs, num_blocks,
+                                             slot_mapping=_np(cm.slot_mapping, t), **common)]
+        self.last_records = records
+        found = [f for r in records for f in sanitizer.record_findings(r)]
         self.since_check = 0
         self.checks += 1
         self.group_checks[g] = self.group_checks.get(g, 0) + 1
