@@ -16,3 +16,4 @@ from .spec import Spec
 
 __all__ = ["ALL", "ATTENTION", "KernelSelection", "POOL_OPS", "SEQ_OPS", "SKINNY_GEMM", "Kernel", "Refused", "Spec",
            "build_dir", "cache_key", "cpu_features", "key_fields"]
+from . import ops  # noqa: E402,F401  registers torch.ops.pagedkv.paged_decode / paged_prefill
