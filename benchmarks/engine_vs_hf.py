@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.engine.device import peak_figures
+from workbench.engine.peaks import peak_figures
 from workbench.engine.weights import default_model_path
 
 

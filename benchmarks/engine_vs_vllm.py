@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workbench import Engine, EngineConfig, SamplingParams  # noqa: E402
-from workbench.engine.device import measure_matmul_gflops  # noqa: E402
+from workbench.engine.peaks import measure_matmul_gflops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_vs_hf import hf_batch  # noqa: E402  (the padded-batch generate, shared)

@@ -27,7 +27,7 @@ production step of 10 ms or more fills the time with its 16 steps. Without a bas
 step is recorded as unjudged-baseline and nothing is reported. Steps with prefill are
 judged the same way but never above info.
 
-The measured copy peak (device.peak_figures) stays as a column (share_of_peak),
+The measured copy peak (peaks.peak_figures) stays as a column (share_of_peak),
 information only. It is re-measured when stale, measured while the host was busy, or
 when a step beats it (implausible); the probe says so in an info finding and the rows.
 
@@ -303,7 +303,7 @@ class BaselineStore:
             if len(on_disk) > self.max_entries:             # a cache must not grow without end
                 keep = sorted(on_disk, key=lambda k: str(on_disk[k].get("updated_at", "")))[-self.max_entries:]
                 on_disk = {k: on_disk[k] for k in keep}
-            from workbench.engine.device import _write_cache
+            from workbench.engine.peaks import _write_cache
             try:
                 _write_cache(self.path, {"format": BASELINE_FORMAT, "version": BASELINE_VERSION,
                                          "baselines": on_disk})
@@ -339,7 +339,7 @@ class BandwidthProbe(Probe):
         peaks.json; False: in memory only, for this attachment). learn: add clean steps to the
         baselines (False: judge against the stored ones only). save_every: save after that many
         learned steps (0: only at detach).
-        peak_gbs: the copy roof, information only (default: device.peak_figures, measured once
+        peak_gbs: the copy roof, information only (default: peaks.peak_figures, measured once
         per machine and cached, re-measured when older than peak_max_age_days, measured on a busy
         host, or beaten by a step; peak_nbytes sets its measurement size).
         Steps under min_bytes are not judged, nor CPU steps that got under min_cpu_share of their
@@ -386,7 +386,7 @@ class BandwidthProbe(Probe):
 
     # ---- lifecycle -----------------------------------------------------------
     def on_attach(self, engine) -> None:
-        from workbench.engine.device import cache_dir, machine_key
+        from workbench.engine.peaks import cache_dir, machine_key
         if self.baseline_file is False:
             path = None
         elif self.baseline_file in (None, True):
@@ -480,7 +480,7 @@ class BandwidthProbe(Probe):
         return control
 
     def _measure_peak(self, min_bandwidth_gbs: float | None = None, step: int | None = None) -> None:
-        from workbench.engine.device import peak_figures
+        from workbench.engine.peaks import peak_figures
         kw = {"nbytes": self.peak_nbytes} if self.peak_nbytes else {}
         if self.peak_nbytes:                  # a small measurement: keep the matmul small too
             kw["n"] = 256
@@ -623,8 +623,8 @@ class BandwidthProbe(Probe):
         return f"median of the last {len(steps)} judged steps, {sum(x[-1] for x in steps) * 1e3:.3g} ms of steps"
 
     def _sample_ticks(self, now: float | None = None) -> None:
-        from workbench.engine import device
-        ticks = device.proc_ticks()
+        from workbench.engine import peaks
+        ticks = peaks.proc_ticks()
         if ticks is not None:
             self._ticks.append((time.perf_counter() if now is None else now, ticks))
 
@@ -632,16 +632,16 @@ class BandwidthProbe(Probe):
         """Share of the host's CPU ticks that other processes took from `since` (perf_counter; at
         least HOST_LOOKBACK_S back) to now, from /proc/stat. Too few ticks since attach to tell (a
         verdict within ~100 ms of it): the 1-minute load average less this process's threads, as
-        device.HostLoad estimates it. None where neither can be read."""
-        from workbench.engine import device
-        now_ticks = device.proc_ticks()
+        peaks.HostLoad estimates it. None where neither can be read."""
+        from workbench.engine import peaks
+        now_ticks = peaks.proc_ticks()
         if now_ticks is not None and self._ticks:
             start = min(since, time.perf_counter() - HOST_LOOKBACK_S)
             older = [t for w, t in self._ticks if w <= start]
-            share = device.others_share(older[-1] if older else self._ticks[0][1], now_ticks)
+            share = peaks.others_share(older[-1] if older else self._ticks[0][1], now_ticks)
             if share is not None:
                 return share
-        return device.loadavg_others_share()
+        return peaks.loadavg_others_share()
 
     def _report_excused(self, e: StepFinished, decode_only: bool, med: float, thr: float, steps: list,
                         kind: str, why: str, hint: str, evidence: dict) -> None:

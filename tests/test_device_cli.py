@@ -19,6 +19,7 @@ import torch
 
 from workbench import cli
 from workbench.engine import device as dev
+from workbench.engine import peaks
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(nbytes=16 * 1024 * 1024, n=256, repeats=3)
@@ -172,8 +173,8 @@ def test_peak_figures_cached(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", boom)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", boom)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", boom)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", boom)
     second = dev.peak_figures("cpu", **SMALL)
     assert second["source"] == "cache"
     assert second["bandwidth_gbs"] == first["bandwidth_gbs"]
@@ -187,8 +188,8 @@ def test_peak_figures_cached(tmp_path, monkeypatch):
 
 def test_peak_figures_refresh_and_size_change_remeasure(monkeypatch):
     calls = []
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: calls.append("bw") or 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: calls.append("mm") or 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: calls.append("bw") or 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: calls.append("mm") or 20.0)
     dev.peak_figures("cpu", **SMALL)
     dev.peak_figures("cpu", **SMALL)
     assert calls == ["bw", "mm"]
@@ -199,8 +200,8 @@ def test_peak_figures_refresh_and_size_change_remeasure(monkeypatch):
 
 
 def test_peak_figures_survive_corrupt_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     path = tmp_path / "cache" / "peaks.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
@@ -232,8 +233,8 @@ def test_cli_without_command_prints_help(capsys):
 
 
 def test_doctor_in_process_json(capsys, monkeypatch):
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     assert cli.main(["doctor", "--json", "--device", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["device"] == "cpu"
@@ -303,8 +304,8 @@ _DECLARED = object()
 def _doctor_rows(capsys, monkeypatch, torch_npu, backend=_DECLARED):
     """kvwb doctor's rows as {label: value}, `torch_npu` (None: absent) being what imports and
     `backend` the npu attention module (default: one declaring its limits; None: not built)."""
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     monkeypatch.setattr(dev, "_import_torch_npu", lambda: torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     real = cli._dist_version

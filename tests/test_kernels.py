@@ -206,10 +206,10 @@ def test_cpu_features_override_and_the_native_builds_list_this_cpu(monkeypatch, 
 
 def test_doctor_prints_the_kernel_selection(capsys, monkeypatch, built):
     from workbench import cli
-    from workbench.engine import device as dev
+    from workbench.engine import peaks
     from workbench.engine.kernels import selection
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     assert cli.main(["doctor", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     sel = selection.probe(device="cpu")

@@ -15,6 +15,7 @@ import torch
 from probes.bandwidth import BASELINE_FORMAT, BaselineStore, _count_index, bucket_label
 from workbench import Engine, EngineConfig, SamplingParams, Workbench, faults
 from workbench.engine import device as dev
+from workbench.engine import peaks
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 PROMPTS = [[5 + i] * 40 for i in range(4)]                 # 4 sequences decoding side by side
@@ -87,7 +88,7 @@ def test_untrustworthy_cached_peak_is_remeasured_and_no_verdict_on_a_clean_run(c
     assert f.severity == "info" and why in f.message and "not the verdict" in f.message
     stored = json.loads((cache / "peaks.json").read_text())[key]
     assert stored["bandwidth_gbs"] == p.peak_gbs and "busy" in stored and "host_others_share" in stored
-    assert dev._age_s(stored["measured_at"]) < 600
+    assert peaks._age_s(stored["measured_at"]) < 600
     df = p.frame()
     assert df["judged"].any() and df["share_of_peak"].notna().all()
     # judged against their own baseline (~1x), not the planted roof (~0x); too few sub-millisecond steps
@@ -115,13 +116,13 @@ def host(monkeypatch, others: float):
     def proc_ticks():                       # each call 100 host ticks later; ours: 5 of each 100
         t = next(ticks)
         return int(t * (others + 0.05)), t, t * 5 // 100
-    monkeypatch.setattr(dev, "proc_ticks", proc_ticks)
+    monkeypatch.setattr(peaks, "proc_ticks", proc_ticks)
 
 
 def test_peak_figures_policy_without_measuring(monkeypatch):
     host(monkeypatch, others=0.0)
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     first = dev.peak_figures("cpu", **SMALL_PEAK)
     assert first["source"] == "measured" and first["remeasured_because"] == [] and "busy" in first
     path, key = dev.cache_dir() / "peaks.json", first["key"]
@@ -150,9 +151,9 @@ def test_busy_measurement_is_repeated_and_the_best_kept(monkeypatch):
     the entry marked busy."""
     host(monkeypatch, others=0.9)
     bws = iter([5.0, 9.0, 7.0])
-    monkeypatch.setattr(dev, "measure_bandwidth_gbs", lambda *a, **k: next(bws))
-    monkeypatch.setattr(dev, "measure_matmul_gflops", lambda *a, **k: 20.0)
-    monkeypatch.setattr(dev.time, "sleep", lambda s: None)
+    monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: next(bws))
+    monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
+    monkeypatch.setattr(peaks.time, "sleep", lambda s: None)
     out = dev.peak_figures("cpu", **SMALL_PEAK)
     assert out["attempts"] == 3 and out["bandwidth_gbs"] == 9.0 and out["busy"] is True
     assert out["host_others_share"] == pytest.approx(0.9) and out["host_load_method"] == "/proc/stat"
@@ -383,7 +384,7 @@ def test_a_busy_host_is_not_judged_as_the_engine(sharp_llama_dir, cache, monkeyp
         state["busy"] += int(100 * (load["others"] + 0.05))
         state["ours"] += 5
         return state["busy"], state["t"], state["ours"]
-    monkeypatch.setattr(dev, "proc_ticks", proc_ticks)
+    monkeypatch.setattr(peaks, "proc_ticks", proc_ticks)
     eng = tiny(sharp_llama_dir)
     eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
     wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))
