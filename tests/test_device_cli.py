@@ -309,7 +309,7 @@ def _doctor_rows(capsys, monkeypatch, torch_npu, backend=_DECLARED):
     monkeypatch.setattr(dev, "_import_torch_npu", lambda: torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     real = cli._dist_version
-    monkeypatch.setattr(cli, "_dist_version", lambda name: None if "npu" in name else real(name))
+    monkeypatch.setattr(cli.doctor, "_dist_version", lambda name: None if "npu" in name else real(name))
     if backend is _DECLARED:                          # the backend module itself: doctor states its limits
         import workbench.engine.attention.npu as backend
     monkeypatch.setitem(sys.modules, "workbench.engine.attention.npu", backend)   # None: import fails
