@@ -58,27 +58,11 @@ class HiddenTap(ModelTap):
 
 def engine_hidden(engine, prompts, tokens, request: int, at) -> dict:
     """{t: (attention outputs [num_layers, heads x head_dim], hidden states [num_layers, hidden])}
-    for `request` at each output token t in `at`, every request
-    teacher-forced on `tokens` in one batch (the triage's composition); the run stops (the rest
-    aborted) once those tokens are computed."""
-    from ..engine.instrumentation import add_tap, remove_tap
-    from .sides import submit_forced
-    ids = submit_forced(engine, prompts, tokens)
-    tap = HiddenTap(ids[request], at, engine.model_config.num_layers)
-    add_tap(engine, tap)
-    try:
-        while engine.has_unfinished() and not tap.done:
-            engine.step()
-    finally:
-        remove_tap(engine, tap)
-        for r in ids:
-            engine.abort(r)
-        while engine.has_unfinished():          # the aborts take effect at the next step
-            engine.step()
-    missing = [t for t, rows in tap.rows.items() if any(r is None for r in rows + tap.attn[t])]
-    if missing:
-        raise RuntimeError(f"request {request}: no step computed its token(s) {missing}")
-    return {t: (np.stack(tap.attn[t]), np.stack(rows)) for t, rows in tap.rows.items()}
+    for `request` at each output token t in `at`, every request teacher-forced on `tokens` in one
+    batch (the triage's composition); the run stops (the rest aborted) once those tokens are computed
+    (localize.py forced_run, without its shadow check)."""
+    from .localize import forced_run
+    return forced_run(engine, prompts, tokens, request, at, shadow=False)[0]
 
 
 def hf_hidden(model, prompt, tokens, at) -> dict:
@@ -127,11 +111,21 @@ def layer_curve(A, B, prompts, tokens, request: int, token: int) -> dict | None:
     """{"layer": first layer that leaves its floor (or None), "at": rel per layer at `token`,
     "floor": rel per layer at the token before (zeros for token 0: the prompt's own numerics are
     then each layer's floor via MIN_REL)}, or None when a side cannot be tapped."""
-    want = [token - 1, token] if token > 0 else [token]
+    want = curve_tokens(token)
     ha = side_hidden(A, prompts, tokens, request, want)
     hb = side_hidden(B, prompts, tokens, request, want) if ha is not None else None
     if ha is None or hb is None:
         return None
+    return curve_from(ha, hb, token)
+
+
+def curve_tokens(token: int) -> list[int]:
+    """The output tokens a curve at `token` needs: it and the one before (its floor)."""
+    return [token - 1, token] if token > 0 else [token]
+
+
+def curve_from(ha: dict, hb: dict, token: int) -> dict:
+    """layer_curve() from the two sides' hidden states at curve_tokens(token)."""
     at, attn_at = rel(ha[token][1], hb[token][1]), rel(ha[token][0], hb[token][0])
     if token > 0:
         floor, attn_floor = rel(ha[token - 1][1], hb[token - 1][1]), rel(ha[token - 1][0], hb[token - 1][0])

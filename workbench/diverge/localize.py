@@ -1,45 +1,79 @@
-"""Where a corruption starts, for a side we can tap (our engine): the layer and the pages.
+"""Where a corruption starts, for a side we can tap (our engine): the layer and the pages, in one re-run.
 
-At the first corrupt token of a request, the side is run again teacher-forced on the same tokens in
-the same batch composition, and just before the forward that computes that token's logits the
-shadow probe (probes/shadow.py) is asked to check that request through every layer: it recomputes
-the request densely from its own tokens (no pages, no cache) and compares, layer by layer, the K/V
-stored in its pages and the paged attention output. Its first failing comparison names the layer,
-the context position and the page (a bad write, a RoPE slip, or a bad read: block table, page walk,
-mask); that is the row's `layer`, `pages` and the end of its evidence. Where the shadow cannot follow
-the request's page table (ids outside the pool), the page_table probe, attached too, names the page.
+At the first corrupt token t of a request, the side is run again teacher-forced on the same tokens in
+the same batch composition, up to the step that computes t (the rest is then aborted). That one run
+feeds both views of it:
+- a HiddenTap (layers.py) keeps the request's hidden state and attention output after every layer at
+  t-1 and t: the layer curve's input;
+- just before the forward that computes t, the shadow probe (probes/shadow.py) is asked to check that
+  request through every layer: it recomputes the request densely from its own tokens (no pages, no
+  cache) and compares, layer by layer, the K/V stored in its pages and the paged attention output. Its
+  first failing comparison names the layer, the context position and the page (a bad write, a RoPE
+  slip, or a bad read: block table, page walk, mask); that is the row's `layer`, `pages` and the end
+  of its evidence. Where the shadow cannot follow the request's page table (ids outside the pool), the
+  page_table probe, attached too, names the page.
 """
 from __future__ import annotations
 
+import numpy as np
 
-def localize(engine, prompts, tokens, request: int, token: int) -> dict | None:
-    """{"layer", "pages", "kind", "message"} from the shadow's first finding on `request` at `token`,
-    or None when it finds nothing there (the corruption is not in what a dense recompute can see)."""
+
+def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -> tuple[dict, dict | None]:
+    """(hidden, found): hidden = {t: (attention outputs [layers, heads x head_dim], hidden states
+    [layers, hidden])} for `request` at each output token t in `at`; found = the shadow's (or the
+    page_table probe's) first finding on `request` at max(at), or None (also with shadow=False)."""
+    from ..engine.instrumentation import add_tap, remove_tap
     from ..workbench import Workbench
+    from .layers import HiddenTap
     from .sides import submit_forced
     nl = engine.model_config.num_layers
-    ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
-    wb = Workbench(engine, log=False).attach("shadow", "page_table",
-                                             shadow={"on_demand": True, "budget": ctx * nl + 1})
-    shadow = wb.probe("shadow")
+    token = max(at)
+    wb = None
+    if shadow:
+        ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
+        wb = Workbench(engine, log=False).attach("shadow", "page_table",
+                                                 shadow={"on_demand": True, "budget": ctx * nl + 1})
+    ids = submit_forced(engine, prompts, tokens)
+    rid = ids[request]
+    tap = HiddenTap(rid, at, nl)
+    add_tap(engine, tap)
+    found = []
     try:
-        rid = submit_forced(engine, prompts, tokens)[request]
-        asked = False
-        while engine.has_unfinished():
-            seq = next((s for s in engine.live_sequences() if s.request_id == rid), None)
-            if not asked and seq is not None and seq.num_output_tokens == token:
-                shadow.check_now(request_id=rid, layer=nl - 1)
-                asked = True
+        asked = wb is None
+        while engine.has_unfinished() and not tap.done:
+            if not asked:
+                seq = next((s for s in engine.live_sequences() if s.request_id == rid), None)
+                if seq is not None and seq.num_output_tokens == token:
+                    wb.probe("shadow").check_now(request_id=rid, layer=nl - 1)
+                    asked = True
             engine.step()
-        # the shadow's dense recompute first; a page table the shadow cannot follow (ids outside the pool)
-        # is the page_table probe's to name
-        found = [f for f in shadow.findings + wb.probe("page_table").findings
-                 if f.severity in ("error", "critical") and f.request_id == rid]
+        if wb is not None:
+            # the shadow's dense recompute first; a page table the shadow cannot follow (ids outside the
+            # pool) is the page_table probe's to name
+            found = [f for f in wb.probe("shadow").findings + wb.probe("page_table").findings
+                     if f.severity in ("error", "critical") and f.request_id == rid]
     finally:
-        wb.detach()
-    if not found:
-        return None
-    f = found[0]
+        remove_tap(engine, tap)
+        for r in ids:
+            engine.abort(r)
+        while engine.has_unfinished():          # the aborts take effect at the next step
+            engine.step()
+        if wb is not None:
+            wb.detach()
+    missing = [t for t, rows in tap.rows.items() if any(r is None for r in rows + tap.attn[t])]
+    if missing:
+        raise RuntimeError(f"request {request}: no step computed its token(s) {missing}")
+    hidden = {t: (np.stack(tap.attn[t]), np.stack(rows)) for t, rows in tap.rows.items()}
+    return hidden, (_as_fault(found[0], engine) if found else None)
+
+
+def localize(engine, prompts, tokens, request: int, token: int) -> dict | None:
+    """{"layer", "pages", "kind", "message", ...} from the shadow's first finding on `request` at
+    `token`, or None when it finds nothing there (the corruption is not in what a dense recompute sees)."""
+    return forced_run(engine, prompts, tokens, request, [token])[1]
+
+
+def _as_fault(f, engine) -> dict:
     ev = f.evidence or {}
     pages = sorted({int(x) for x in ev.get("pages", [])} | ({int(f.page)} if f.page is not None else set()))
     return {"layer": f.layer, "pages": pages, "kind": f.kind, "message": f.message, "probe": f.probe,

@@ -156,34 +156,38 @@ def as_side(x, name: str):
 
 
 def _localize(rep, row, A, B, prompts, tokens, i: int, t: int) -> None:
-    """A corrupt request's layer and pages. The layer curve where both sides can be tapped (our engine,
-    transformers): the first layer whose hidden state leaves its floor; then our engine's shadow probe
-    re-run to that token (dense recompute through every layer): the layer and pages it finds wrong,
-    and the probe that should have caught it."""
-    from .layers import layer_curve
-    from .localize import localize as where
-    curve = layer_curve(A, B, prompts, tokens, i, t)
-    if curve is not None:
-        rep.curves[i] = curve
+    """A corrupt request's layer and pages. Each engine side is re-run once to that token
+    (localize.forced_run): the layer curve's hidden states and, on the first side whose check finds
+    something (B first, the side under suspicion; a clean side finds nothing), the shadow probe's dense
+    recompute through every layer: the layer and pages it finds wrong, and the probe that should have
+    caught it. Transformers sides give their hidden states through forward hooks."""
+    from .layers import curve_from, curve_tokens, hf_hidden
+    from .localize import forced_run
+    want = curve_tokens(t)
+    hidden: dict = {}
+    found = by = None
+    for side in (B, A):
+        if isinstance(side, EngineSide):
+            hidden[id(side)], f = forced_run(side.engine, prompts, tokens, i, want, shadow=found is None)
+            if found is None and f is not None:
+                found, by = f, side
+        elif isinstance(side, HFSide):
+            hidden[id(side)] = hf_hidden(side.model, prompts[i], tokens[i], want)
+    if id(A) in hidden and id(B) in hidden:
+        curve = rep.curves[i] = curve_from(hidden[id(A)], hidden[id(B)], t)
         L = curve["layer"]
         if L is not None:
             row["layer"] = L
             row["evidence"] += (f"; hidden states part at layer {L} (hidden {curve['at'][L]:.1e} relative, floor "
                                 f"{curve['floor'][L]:.1e}; attention output {curve['attn_at'][L]:.1e}, floor "
                                 f"{curve['attn_floor'][L]:.1e})")
-    # the shadow on each engine side, B first (the side under suspicion); a clean side finds nothing
-    found = tap = None
-    for tap in (x for x in (B, A) if isinstance(x, EngineSide)):
-        found = where(tap.engine, prompts, tokens, i, t)
-        if found is not None:
-            break
     if found is None:
         return
     rep.faults[i] = found
     row["pages"] = found["pages"]
     if row["layer"] is None:
         row["layer"] = found["layer"]
-    row["evidence"] += f"; {tap.name}'s shadow check there ({found['probe']} probe, {found['kind']}): {found['message']}"
+    row["evidence"] += f"; {by.name}'s shadow check there ({found['probe']} probe, {found['kind']}): {found['message']}"
 
 
 class _Clock:
