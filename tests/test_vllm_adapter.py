@@ -243,6 +243,8 @@ def test_abort_that_keeps_its_blocks_is_caught_naming_the_request(served):
 
 def test_dashboard_shows_the_live_pool(served):
     wb, server, _ = served
+    burst(server, QUESTIONS[:4])         # traffic of its own: the test does not lean on the ones before it
+    wait_idle(wb.vllm)
     dash = wb.dashboard()
     try:
         dash.refresh()
