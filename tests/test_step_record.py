@@ -118,3 +118,22 @@ def test_a_record_with_an_unknown_copy_kind_or_ragged_rows_is_refused():
         StepRecord(1, "engine", 16, 8, ["a", "b"], [0], [3, 1], [[1], [2]])
     with pytest.raises(ValueError, match="source"):
         StepRecord(1, "sglang", 16, 8, [], [], [], [])
+
+
+def test_the_workbench_keeps_each_steps_phases_and_pool_counters(tiny_llama_dir):
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64, page_size=16))
+    quiet = Workbench(eng, log=False)
+    wb = Workbench(eng)
+    steps = []
+    eng.bus.subscribe(StepFinished, lambda e: steps.append((e.step, e.num_tokens)))
+    eng.generate(prompts(), SamplingParams(max_tokens=5, ignore_eos=True))
+    df = wb.steps()
+    assert quiet.steps().empty                                  # kept only while the Workbench logs
+    assert list(zip(df.step, df.tokens)) == steps               # one row per step, the tokens it ran
+    assert (df[["schedule_ns", "prepare_ns", "execute_ns", "update_ns"]] > 0).all().all()
+    assert (df.execute_ns > df.schedule_ns).all()               # the forward is where a step's time goes
+    assert df.free_after.iloc[-1] == eng.pool.num_free          # the last step's pool, as the pool says
+    assert (df.free_before.iloc[1:].to_numpy() == df.free_after.iloc[:-1].to_numpy()).all()
+    wb.close()
+    eng.generate(prompts(1), SamplingParams(max_tokens=2))
+    assert len(wb.steps()) == len(df)                           # closed: no more rows

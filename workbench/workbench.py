@@ -5,9 +5,10 @@ DataFrame first (wb.findings, wb.probe(name).frame()), a figure on request.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
-from .events import EventLog
+from .events import EventLog, StepFinished
 from .findings import SEVERITY_RANK, Finding, findings_frame
 
 
@@ -18,6 +19,11 @@ class Workbench:
         self.vllm = None                     # a VllmConnection, when the engine watched is a running vLLM
         bus = engine.bus if engine is not None else None
         self.log = EventLog(bus, max_rows=max_log_rows, spill_dir=spill_dir) if log else None
+        # each step's StepRecord summary (rows, tokens, ns per phase, pool counters), kept with the log
+        self._steps: deque = deque(maxlen=max_log_rows)
+        if log and engine is not None and hasattr(engine, "step_record"):
+            self._steps_sub = lambda e: self._keep_step(e)
+            bus.subscribe(StepFinished, self._steps_sub)
 
     @classmethod
     def connect_vllm(cls, url: str = "http://127.0.0.1:8000", kv_events: str | None = "tcp://127.0.0.1:5557",
@@ -38,6 +44,9 @@ class Workbench:
     def close(self) -> None:
         """Detach the probes and close a vLLM connection (its sockets and threads)."""
         self.detach()
+        if getattr(self, "_steps_sub", None) is not None:
+            self.engine.bus.unsubscribe(self._steps_sub)
+            self._steps_sub = None
         if self.vllm is not None:
             self.vllm.close()
 
@@ -88,6 +97,20 @@ class Workbench:
     def findings(self):
         """Every probe's findings as one DataFrame (probe, severity, step, request_id, layer, page, ...)."""
         return findings_frame(self.all_findings())
+
+    def _keep_step(self, e) -> None:
+        rec = self.engine.step_record
+        if rec is not None and rec.step == e.step:
+            self._steps.append(rec.summary())
+
+    def steps(self):
+        """One row per engine step from its StepRecord: rows and tokens, the nanoseconds spent to
+        schedule, prepare, execute (forward + sampling) and update, and the pool's free pages before
+        and after (a pandas DataFrame; kept while the Workbench logs)."""
+        import pandas as pd
+        cols = ["step", "source", "rows", "tokens", "schedule_ns", "prepare_ns", "execute_ns", "update_ns",
+                "free_before", "free_after", "cached_free_after"]
+        return pd.DataFrame(list(self._steps), columns=cols)
 
     def findings_at_least(self, severity: str) -> list[Finding]:
         return [f for f in self.all_findings() if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[severity]]
