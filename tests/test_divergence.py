@@ -12,6 +12,7 @@ import torch
 
 from workbench import Engine, EngineConfig, SamplingParams, faults
 from workbench.diverge import EngineSide, triage
+from workbench.events import AttentionRead, KVWritten, StepFinished
 
 
 def prompts(n=8, seed=3):
@@ -188,3 +189,19 @@ def test_the_layer_curve_names_the_layer_the_corruption_enters(sharp_llama_dir, 
     if i in rep.faults:
         pm = rep.page_map(i)
         assert pm.data[0].z.shape[1] == 16 and np.nanmax(pm.data[0].z) > 0          # the positions at fault marked
+
+
+def test_a_localising_rerun_that_fails_leaves_no_probe_or_tap_behind(tiny_llama_dir):
+    """forced_run attaches the shadow and page_table probes and a hidden-state tap; a prompt the engine
+    rejects (longer than max_model_len) must take them all off again and leave nothing queued."""
+    from workbench.diverge.localize import forced_run
+    from workbench.engine.outputs import RequestRejected
+    eng = engine(tiny_llama_dir, max_model_len=128)
+    ok = prompts(2)
+    with pytest.raises(RequestRejected):
+        forced_run(eng, ok + [list(range(3, 200))], [[5, 6], [7, 8], [9, 10]], 0, [1])
+    assert eng.model.hooks is None and eng.pool.observer is None and not eng.model_hooks.taps
+    assert not any(eng.bus.wants(t) for t in (StepFinished, KVWritten, AttentionRead))     # no listener left
+    assert not eng.has_unfinished()
+    hidden, found = forced_run(eng, ok, [[5, 6], [7, 8]], 1, [0, 1])        # and the engine still serves it
+    assert set(hidden) == {0, 1} and found is None

@@ -77,3 +77,13 @@ def test_a_raising_probe_becomes_a_finding_and_the_engine_carries_on(engine):
     df = wb.findings
     assert list(df["kind"]) == ["probe-error"]          # deduplicated: one finding, not one per step
     assert "probe bug" in df["message"].iloc[0] and df["severity"].iloc[0] == "error"
+
+
+def test_the_event_log_module_imports_on_its_own():
+    """event_log.py imports events.py, which hands EventLog out lazily: either may be imported first."""
+    import subprocess
+    import sys
+    for first in ("import workbench.event_log", "from workbench.events import EventLog"):
+        code = first + "; from workbench.events import EventLog as A; from workbench.event_log import EventLog as B; assert A is B"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr

@@ -347,5 +347,10 @@ def _row_getter(t: type) -> tuple:
     return got
 
 
-# The log that keeps them: event_log.py (it imports this module's Event and bus).
-from .event_log import EventLog  # noqa: E402,F401
+def __getattr__(name: str):
+    """EventLog, the log that keeps the events, lives in event_log.py, which imports this module: it is
+    handed out from here on first use, so either module may be imported first."""
+    if name == "EventLog":
+        from .event_log import EventLog
+        return EventLog
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -105,13 +105,16 @@ class StepRecord:
 
     def freeze(self) -> "StepRecord":
         """Copy every copy to the host now and keep it: a record's tensors are the builder's reused
-        buffers, rewritten when the next step packs, so a record kept past its step is frozen first
-        (the flight recorder's and a test's). Returns self."""
+        buffers, rewritten when the next step packs, so a record kept past its step is frozen first.
+        The step's own objects (batch, schedule: the sequences, the attention plan) are let go, so
+        kept records hold no step alive (a leak probe would see them). Returns self."""
         for name in self.copies:
             a = self.array(name)
             self._arrays[name] = None if a is None else np.array(a, copy=True)
         self.token_ids = None if self.token_ids is None else [list(t[:c + n]) for t, c, n in
                                                                 zip(self.token_ids, self.computed, self.scheduled)]
+        self.batch = self.schedule = None
+        self.copies = {name: (kind, self._arrays[name]) for name, (kind, _) in self.copies.items()}
         return self
 
     def row_of(self, request_id) -> int | None:

@@ -64,7 +64,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     from workbench.engine import hugepages
     report["memory_pages"] = hugepages.describe()
     # bf16 separately: on a CPU without avx512_bf16 / AMX it is emulated, and the rate says so.
-    report["matmul_gflops_bf16"] = (dev_mod.measure_matmul_gflops(dev, dtype=torch.bfloat16, repeats=2)
+    from workbench.engine import peaks as peaks_mod
+    report["matmul_gflops_bf16"] = (peaks_mod.measure_matmul_gflops(dev, dtype=torch.bfloat16, repeats=2)
                                     if "bfloat16" in report["dtypes"] else None)
     report["bf16_path"] = cpu_bf16.describe(dev)
     k = skinny_gemm.kernel()

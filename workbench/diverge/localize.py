@@ -28,17 +28,18 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
     from .sides import submit_forced
     nl = engine.model_config.num_layers
     token = max(at)
-    wb = None
-    if shadow:
-        ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
-        wb = Workbench(engine, log=False).attach("shadow", "page_table",
-                                                 shadow={"on_demand": True, "budget": ctx * nl + 1})
-    ids = submit_forced(engine, prompts, tokens)
-    rid = ids[request]
-    tap = HiddenTap(rid, at, nl)
-    add_tap(engine, tap)
+    wb = tap = None
+    ids: list[int] = []
     found = []
-    try:
+    try:                    # whatever fails (a prompt rejected, a step), the probes and the tap come off
+        if shadow:
+            ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
+            wb = Workbench(engine, log=False).attach("shadow", "page_table",
+                                                     shadow={"on_demand": True, "budget": ctx * nl + 1})
+        ids = submit_forced(engine, prompts, tokens)
+        rid = ids[request]
+        tap = HiddenTap(rid, at, nl)
+        add_tap(engine, tap)
         asked = wb is None
         while engine.has_unfinished() and not tap.done:
             if not asked:
@@ -53,13 +54,14 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
             found = [f for f in wb.probe("shadow").findings + wb.probe("page_table").findings
                      if f.severity in ("error", "critical") and f.request_id == rid]
     finally:
-        remove_tap(engine, tap)
-        for r in ids:
-            engine.abort(r)
-        while engine.has_unfinished():          # the aborts take effect at the next step
-            engine.step()
+        if tap is not None:
+            remove_tap(engine, tap)
         if wb is not None:
             wb.detach()
+        for r in ids:
+            engine.abort(r)
+        while ids and engine.has_unfinished():      # the aborts take effect at the next step
+            engine.step()
     missing = [t for t, rows in tap.rows.items() if any(r is None for r in rows + tap.attn[t])]
     if missing:
         raise RuntimeError(f"request {request}: no step computed its token(s) {missing}")

@@ -188,8 +188,8 @@ class MetadataWatch:
                                              block_table=_np(cm.block_table_tensor, n)),
                        sanitizer.vllm_record(self.executions, req_ids, starts, q, pages, bs, num_blocks,
                                              slot_mapping=_np(cm.slot_mapping, t), **common)]
-        self.last_records = records
         found = [f for r in records for f in sanitizer.record_findings(r)]
+        self.last_records = [r.freeze() for r in records]   # vLLM reuses its CPU buffers: kept, they are copies
         self.since_check = 0
         self.checks += 1
         self.group_checks[g] = self.group_checks.get(g, 0) + 1

@@ -3,7 +3,8 @@
 The kernels (attention/csrc/paged_decode.cpp) write their result into `out`; as custom ops that mutation is
 in the schema (mutates_args), and each has a fake implementation, so FakeTensor tracing and torch.compile
 see what they do without running them. torch.library.opcheck checks both against the real kernels
-(tests/test_kernel_ops.py). The CPU backend calls the kernels through these ops (attention/cpu_paged.py).
+(tests/test_kernel_ops.py). The CPU backend still calls the extension directly (attention/cpu_paged.py):
+through the dispatcher a Python custom op costs ~33 us more a call (benchmarks/kernel_op_overhead.py).
 With no compiled kernel on this machine the ops exist but raise on a real call, naming why; the engine
 never plans them then (KernelSelection says the torch path runs).
 """

@@ -1,6 +1,6 @@
 """KernelSelection: which attention, linear, pool-ops and bf16 path an engine runs, and why.
 
-Decided once at engine start-up (Engine._install, again when repage() builds a new stack) and
+Decided once at engine start-up (engine/repage.py install, again when repage() builds a new stack) and
 READ BACK from what was built: the attention backend object and whether it holds a compiled
 kernel, the model's linears, the pool's and scheduler's loops, the model's compute dtype. So it
 cannot disagree with what runs; the modules that make each choice (attention.get_backend,
