@@ -78,11 +78,12 @@ def test_the_runner_computes_and_the_scheduler_applies(tiny_llama_dir):
     produced, finished = eng.scheduler.update_from_output(sched, out, 0.0)
     assert produced == [seq] and finished == [] and seq.output_token_ids == out.tokens
     assert seq.num_computed_tokens == seq.num_prompt_tokens and len(seq.logprobs) == 1
-    # the simulator's cost model answers the same two calls: no inputs, no tokens, a step time
+    # the simulator's cost model answers the same two calls: its input the step's token count, no
+    # tokens out, a step time
     cost = CostModelRunner(Simulator(EngineConfig(num_pages=8)).cost)
-    assert cost.prepare(sched) is None
-    o = cost.execute(sched, None)
-    assert o.tokens is None and o.seconds > 0
+    assert cost.prepare(sched) == seq.num_prompt_tokens
+    o = cost.execute(sched, cost.prepare(sched))
+    assert o.tokens is None and o.seconds == cost.cost(seq.num_prompt_tokens) > 0
 
 
 def test_intake_rejects_bad_prompts_and_the_engine_carries_on(tiny_llama_dir):

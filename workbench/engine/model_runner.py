@@ -6,7 +6,7 @@
 
 The engine calls prepare, tells its listeners what was packed, then execute, and hands the output to
 Scheduler.update_from_output; the simulator (trace/simulate.py) makes the same calls on its cost model,
-which has no inputs and computes no tokens. Under tensor parallel the model is the driver's rank-0
+whose one input is the step's token count and which computes no tokens. Under tensor parallel the model is the driver's rank-0
 shard, whose forward runs the step protocol on every rank (parallel/driver.py): same runner.
 
 The runner computes; it changes no request's state (the scheduler applies the output) and emits

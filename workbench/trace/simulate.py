@@ -43,17 +43,21 @@ class StepCost:
 
 
 class CostModelRunner:
-    """The simulator's ModelRunner (engine/model_runner.py): no inputs to prepare, no forward; a step
-    takes StepCost's seconds and each sequence whose context is computed produces a counted token."""
+    """The simulator's ModelRunner (engine/model_runner.py): its only input is the step's token count
+    (prepare), no forward; a step takes StepCost's seconds and each sequence whose context is computed
+    produces a counted token."""
 
     def __init__(self, cost: StepCost):
         self.cost = cost
 
-    def prepare(self, sched) -> None:
-        return None
+    def prepare(self, sched) -> int:
+        return sched.num_tokens
 
-    def execute(self, sched, batch=None) -> ModelRunnerOutput:
-        return ModelRunnerOutput(None, None, seconds=self.cost(sched.num_tokens) if sched.scheduled else 0.0)
+    def execute(self, sched, num_tokens: int | None = None) -> ModelRunnerOutput:
+        if not sched.scheduled:
+            return ModelRunnerOutput(None, None, seconds=0.0)
+        n = sched.num_tokens if num_tokens is None else num_tokens
+        return ModelRunnerOutput(None, None, seconds=self.cost(n))
 
 
 @functools.lru_cache(maxsize=64)
@@ -199,13 +203,13 @@ class Simulator:
         scheduled = sched.scheduled
         t = int(self.clock * 1e9)
         lifecycle.emit_schedule(bus, step, t, sched)
-        n_tok = sched.num_tokens
+        n_tok = self.runner.prepare(sched)          # the cost model's one input: the step's tokens
         self.last_num_tokens = n_tok
         if scheduled and bus.wants(BatchPacked):
             lifecycle.emit_packed(bus, step, t, sched)
-        # The engine's two calls: the cost model's "forward" (no inputs, no tokens, a step time),
-        # then the scheduler applies it exactly as it applies a real forward's output.
-        out = self.runner.execute(sched, self.runner.prepare(sched))
+        # The engine's two calls: the cost model's "forward" (no tokens, a step time), then the
+        # scheduler applies it exactly as it applies a real forward's output.
+        out = self.runner.execute(sched, n_tok)
         dt = out.seconds
         self.clock += dt
         clock = self.clock
