@@ -35,7 +35,7 @@ from workbench.engine.step import record_of
 from workbench.engine.taps import ModelTap
 from workbench.events import StepFinished
 from workbench.probe import Probe
-from workbench.step_record import StepRecord
+from workbench.step_record import StepRecord, as_numpy
 
 from . import invariants
 from .invariants import Mismatch, PackingReference
@@ -63,11 +63,8 @@ HINTS = {
 
 
 def _np(t) -> np.ndarray | None:
-    if t is None:
-        return None
-    if hasattr(t, "detach"):
-        return t.detach().to("cpu").numpy().astype(np.int64).reshape(-1)
-    return np.asarray(t, dtype=np.int64).reshape(-1)
+    a = as_numpy(t)
+    return None if a is None else a.reshape(-1)
 
 
 _last: list = [None, None]        # (batch, record) of a forward no step recorded: both probes share it

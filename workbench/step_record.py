@@ -117,18 +117,11 @@ class StepRecord:
         self.copies = {name: (kind, self._arrays[name]) for name, (kind, _) in self.copies.items()}
         return self
 
-    def row_of(self, request_id) -> int | None:
-        try:
-            return self.request_ids.index(request_id)
-        except ValueError:
-            return None
-
     def frame(self):
         """One row per request: what it had computed, what it ran, its pages (a pandas DataFrame)."""
         import pandas as pd
         return pd.DataFrame({"step": self.step, "request_id": self.request_ids,
-                             "computed": np.asarray(self.computed, dtype=np.int64),
-                             "scheduled": np.asarray(self.scheduled, dtype=np.int64),
+                             "computed": self.computed, "scheduled": self.scheduled,
                              "num_pages": [len(p) for p in self.pages],
                              "pages": [list(p) for p in self.pages]})
 

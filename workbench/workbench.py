@@ -21,8 +21,9 @@ class Workbench:
         self.log = EventLog(bus, max_rows=max_log_rows, spill_dir=spill_dir) if log else None
         # each step's StepRecord summary (rows, tokens, ns per phase, pool counters), kept with the log
         self._steps: deque = deque(maxlen=max_log_rows)
+        self._steps_sub = None
         if log and engine is not None and hasattr(engine, "step_record"):
-            self._steps_sub = lambda e: self._keep_step(e)
+            self._steps_sub = self._keep_step
             bus.subscribe(StepFinished, self._steps_sub)
 
     @classmethod
@@ -44,7 +45,7 @@ class Workbench:
     def close(self) -> None:
         """Detach the probes and close a vLLM connection (its sockets and threads)."""
         self.detach()
-        if getattr(self, "_steps_sub", None) is not None:
+        if self._steps_sub is not None:
             self.engine.bus.unsubscribe(self._steps_sub)
             self._steps_sub = None
         if self.vllm is not None:

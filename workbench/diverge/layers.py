@@ -56,15 +56,6 @@ class HiddenTap(ModelTap):
             self.rows[at[0]][layer] = h[at[1]].float().cpu().numpy().copy()
 
 
-def engine_hidden(engine, prompts, tokens, request: int, at) -> dict:
-    """{t: (attention outputs [num_layers, heads x head_dim], hidden states [num_layers, hidden])}
-    for `request` at each output token t in `at`, every request teacher-forced on `tokens` in one
-    batch (the triage's composition); the run stops (the rest aborted) once those tokens are computed
-    (localize.py forced_run, without its shadow check)."""
-    from .localize import forced_run
-    return forced_run(engine, prompts, tokens, request, at, shadow=False)[0]
-
-
 def hf_hidden(model, prompt, tokens, at) -> dict:
     """{t: (attention outputs, hidden states)} from transformers: each decoder layer's o_proj input and
     output at the position that
@@ -91,32 +82,10 @@ def hf_hidden(model, prompt, tokens, at) -> dict:
     return {t: (np.stack([a[i(t)] for a in attn]), np.stack([g[i(t)] for g in got])) for t in at}
 
 
-def side_hidden(side, prompts, tokens, request: int, at) -> dict | None:
-    """The hidden states of a side we can tap; None for one we cannot (a vLLM server, a recording)."""
-    from .sides import EngineSide, HFSide
-    if isinstance(side, EngineSide):
-        return engine_hidden(side.engine, prompts, tokens, request, at)
-    if isinstance(side, HFSide):
-        return hf_hidden(side.model, prompts[request], tokens[request], at)
-    return None
-
-
 def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         d = np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(a, axis=-1), 1e-12)
     return np.where(np.isfinite(d), d, np.inf)
-
-
-def layer_curve(A, B, prompts, tokens, request: int, token: int) -> dict | None:
-    """{"layer": first layer that leaves its floor (or None), "at": rel per layer at `token`,
-    "floor": rel per layer at the token before (zeros for token 0: the prompt's own numerics are
-    then each layer's floor via MIN_REL)}, or None when a side cannot be tapped."""
-    want = curve_tokens(token)
-    ha = side_hidden(A, prompts, tokens, request, want)
-    hb = side_hidden(B, prompts, tokens, request, want) if ha is not None else None
-    if ha is None or hb is None:
-        return None
-    return curve_from(ha, hb, token)
 
 
 def curve_tokens(token: int) -> list[int]:
@@ -125,7 +94,11 @@ def curve_tokens(token: int) -> list[int]:
 
 
 def curve_from(ha: dict, hb: dict, token: int) -> dict:
-    """layer_curve() from the two sides' hidden states at curve_tokens(token)."""
+    """The layer curve from two sides' hidden states at curve_tokens(token) ({t: (attention outputs,
+    hidden states)}: localize.forced_run for our engine, hf_hidden for transformers): {"layer": the first
+    layer that leaves its floor (or None), "at": rel per layer at `token`, "floor": rel per layer at the
+    token before (zeros for token 0: the prompt's own numerics are then each layer's floor via MIN_REL),
+    and the same of the attention outputs}."""
     at, attn_at = rel(ha[token][1], hb[token][1]), rel(ha[token][0], hb[token][0])
     if token > 0:
         floor, attn_floor = rel(ha[token - 1][1], hb[token - 1][1]), rel(ha[token - 1][0], hb[token - 1][0])

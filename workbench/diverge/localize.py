@@ -69,12 +69,6 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
     return hidden, (_as_fault(found[0], engine) if found else None)
 
 
-def localize(engine, prompts, tokens, request: int, token: int) -> dict | None:
-    """{"layer", "pages", "kind", "message", ...} from the shadow's first finding on `request` at
-    `token`, or None when it finds nothing there (the corruption is not in what a dense recompute sees)."""
-    return forced_run(engine, prompts, tokens, request, [token])[1]
-
-
 def _as_fault(f, engine) -> dict:
     ev = f.evidence or {}
     pages = sorted({int(x) for x in ev.get("pages", [])} | ({int(f.page)} if f.page is not None else set()))

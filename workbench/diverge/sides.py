@@ -38,15 +38,13 @@ def submit_forced(engine, prompts, tokens) -> list[int]:
     """Every prompt teacher-forced on its tokens, added in one go (one batch composition); their
     engine request ids, in prompt order. Localisation re-runs a triage's batch this way."""
     from ..engine.sequence import SamplingParams
-    for p in prompts:               # all or nothing: every prompt checked before the first is queued
-        engine.validate_prompt(engine.intake.prompt_ids(p))
     ids = []
     try:
         for p, f in zip(prompts, tokens):
             ids.append(engine.add_request(p, SamplingParams(max_tokens=len(f), ignore_eos=True,
                                                             forced_token_ids=tuple(f))))
     except Exception:
-        for r in ids:               # refused part-way (forced tokens the engine will not take): none stay
+        for r in ids:               # all or nothing: refused part-way, the ones queued are aborted
             engine.abort(r)
         while engine.has_unfinished():
             engine.step()

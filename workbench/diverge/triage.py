@@ -52,7 +52,7 @@ class TriageReport:
     per_token: list[dict] = field(default_factory=list)      # request -> arrays (delta, margins, flips)
     seconds: dict = field(default_factory=dict)               # phase -> wall seconds (where the time went)
     tokens: list = field(default_factory=list)                # per request, A's tokens (what B was forced on)
-    curves: dict = field(default_factory=dict)                # request -> layers.layer_curve() at its first bad token
+    curves: dict = field(default_factory=dict)                # request -> layers.curve_from() at its first bad token
     faults: dict = field(default_factory=dict)                # request -> the localising finding's evidence
 
     def frame(self):

@@ -8,9 +8,8 @@ import torch
 
 from . import env
 from .device import resolve_device
-from .kv_cache import torch_dtype
-
 from .attention import resolve_choice
+from .kv_cache import torch_dtype
 from .model import LlamaModel
 from .stack import kv_dtypes, pool_pages
 

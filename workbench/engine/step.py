@@ -34,18 +34,22 @@ def record_of(step: int, sched, batch, num_pages: int | None) -> StepRecord:
             if sched is not None:
                 unscheduled.append(i)
         scheduled.append(n)
-    b = batch
     return StepRecord(
-        step, "engine", b.page_size, num_pages,
+        step, "engine", batch.page_size, num_pages,
         request_ids=[s.request_id for s in seqs],
         computed=[s.num_computed_tokens for s in seqs], scheduled=scheduled,
         pages=[list(s.pages) for s in seqs], token_ids=[s.token_ids for s in seqs],
-        copies={"positions": ("positions", b.positions), "slot_mapping": ("slot_mapping", b.slot_mapping),
-                "input_ids": ("input_ids", b.input_ids), "query_lens_np": ("q", b.query_lens_np),
-                "diff(cu_seqlens_q_np)": ("diff_q", b.cu_seqlens_q_np), "cu_seqlens_q_np": ("cu_q", b.cu_seqlens_q_np),
-                "cu_seqlens_q": ("cu_q", b.cu_seqlens_q), "context_lens_np": ("ctx", b.context_lens_np),
-                "context_lens": ("ctx", b.context_lens), "cu_seqlens_k": ("cu_k", b.cu_seqlens_k),
-                "block_tables": ("block_table", b.block_tables)},
+        copies={"positions": ("positions", batch.positions),
+                "slot_mapping": ("slot_mapping", batch.slot_mapping),
+                "input_ids": ("input_ids", batch.input_ids),
+                "query_lens_np": ("q", batch.query_lens_np),
+                "diff(cu_seqlens_q_np)": ("diff_q", batch.cu_seqlens_q_np),
+                "cu_seqlens_q_np": ("cu_q", batch.cu_seqlens_q_np),
+                "cu_seqlens_q": ("cu_q", batch.cu_seqlens_q),
+                "context_lens_np": ("ctx", batch.context_lens_np),
+                "context_lens": ("ctx", batch.context_lens),
+                "cu_seqlens_k": ("cu_k", batch.cu_seqlens_k),
+                "block_tables": ("block_table", batch.block_tables)},
         unscheduled=unscheduled, missing=list(chunk.values()), batch=batch, schedule=sched)
 
 

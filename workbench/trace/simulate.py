@@ -53,11 +53,8 @@ class CostModelRunner:
     def prepare(self, sched) -> int:
         return sched.num_tokens
 
-    def execute(self, sched, num_tokens: int | None = None) -> ModelRunnerOutput:
-        if not sched.scheduled:
-            return ModelRunnerOutput(None, None, seconds=0.0)
-        n = sched.num_tokens if num_tokens is None else num_tokens
-        return ModelRunnerOutput(None, None, seconds=self.cost(n))
+    def execute(self, sched, num_tokens: int) -> ModelRunnerOutput:
+        return ModelRunnerOutput(None, None, seconds=self.cost(num_tokens) if sched.scheduled else 0.0)
 
 
 @functools.lru_cache(maxsize=64)
