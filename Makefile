@@ -1,7 +1,8 @@
 # PagedKV Workbench
 #
 #   make lab     set up .venv (first time) and open notebooks/00_start_here.ipynb
-#   make test    set up .venv (first time) and run the test suite
+#   make test    set up .venv (first time) and run the test suite, then test-cpus
+#   make test-cpus  the engine / bf16 / NPU-double / kernel tests on faked AVX2-only and featureless CPUs
 #   make bench   run every benchmarks/*.py
 #   make doctor  torch, device, dtypes, measured bandwidth / matmul, default model
 #   make clean   remove caches and build leftovers (keeps .venv); distclean: also .venv
@@ -42,10 +43,10 @@ VLLM_ASCEND_DIR       := .cache/vllm-ascend
 VLLM_ASCEND_TGZ       := $(VLLM_ASCEND_DIR)/$(notdir $(VLLM_ASCEND_SDIST_URL))
 VLLM_ASCEND_SRC       := $(VLLM_ASCEND_DIR)/$(basename $(basename $(notdir $(VLLM_ASCEND_SDIST_URL))))
 
-.PHONY: venv test test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src
+.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src
 
 help:
-	@sed -n '3,11p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -100,8 +101,27 @@ browser:
 	else echo "make browser: cannot install chromium here (not root, no sudo): browser tests will skip"; fi
 
 test: $(STAMP) browser vllm
-	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; exit 0; fi; \
+	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; rc=0; fi; \
+	[ -n "$(PYTEST_ARGS)" ] || $(MAKE) --no-print-directory test-cpus || rc=$$?; \
+	exit $$rc
+
+# The engine, bf16, NPU-double and kernel tests again on faked smaller CPUs (engine/kernels/trials.py):
+# - an AVX2-only AMD EPYC: its flags, oneDNN capped to AVX2 (so oneDNN's own bf16 refusal is real) and the
+#   C++ kernels compiled for x86-64-v3 (their AVX2 code, in a cache entry of their own; ~1 min once);
+# - a CPU with no features: no compiled code of ours at all.
+# `make test` runs them after the suite.
+AVX2_HOST ?= sse sse2 pni ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 abm movbe aes pclmulqdq sha_ni adx
+CPU_TESTS ?= tests/test_engine.py tests/test_bf16_path.py tests/test_npu_backend.py tests/test_kernels.py \
+             tests/test_kernel_ops.py tests/test_skinny_gemm.py tests/test_attention.py tests/test_page_pool.py \
+             tests/test_seq_ops.py tests/test_cpu_fallbacks.py
+CPU_PYTEST    = $(PYTHON) -m pytest -q -p no:cacheprovider --durations=5 $(CPU_TESTS)
+test-cpus: $(STAMP)
+	@rc=0; \
+	echo "== make test-cpus: an AVX2-only host (PAGEDKV_CPU_FEATURES='$(AVX2_HOST)', PAGEDKV_MARCH=x86-64-v3, ONEDNN_MAX_CPU_ISA=AVX2)"; \
+	PAGEDKV_CPU_FEATURES='$(AVX2_HOST)' PAGEDKV_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 $(CPU_PYTEST) || rc=$$?; \
+	echo "== make test-cpus: a CPU with no features (PAGEDKV_CPU_FEATURES=none)"; \
+	PAGEDKV_CPU_FEATURES=none ONEDNN_MAX_CPU_ISA=SSE41 $(CPU_PYTEST) || rc=$$?; \
 	exit $$rc
 
 # notebooks executed top to bottom and the Chromium dashboard test (marker `ui`)

@@ -59,20 +59,26 @@ clean_share = wb_clean.probe("lock_contention").wait_share()
 show_answers(questions, clean_outs)
 print(f"{clean_s:.1f} s; the engine waited for 'page_table' {clean_share:.0%} of the step time")
 clean_findings = wb_clean.findings
+# The storm is sized from this machine's own step time: each stream holds the lock a quarter of a step, so the share
+# of the step spent waiting is about the same on a fast or a slow CPU (a fixed hold would be a large share of a
+# fast step and a small one of a slow step).
+step_s = wb_clean.probe("lock_contention").steps_frame()["duration_ms"].median() / 1e3
+hold_s = max(0.002, step_s / 4)
+print(f"median step {step_s * 1e3:.1f} ms: each stream holds the lock {hold_s * 1e3:.1f} ms per table update")
 wb_clean.detach()
 clean_findings
 
 # %% [markdown]
 # ## 2. The symptom: the same requests with the lock storm on
-# `faults.inject(engine, "lock_storm", submitters=16)` starts 16 stream threads (batch 16, as in the field note)
-# that each update their page table under `engine.table_lock(stream)` and keep the lock across the host-to-device
-# copy, then call `engine.abort()` with the stream's own id (a negative id the engine never issues, so nothing is
+# `faults.inject(engine, "lock_storm", submitters=16, hold_s=hold_s)` starts 16 stream threads (batch 16, as in the
+# field note) that each update their page table under `engine.table_lock(stream)` and keep the lock across the
+# host-to-device copy (`hold_s`, a quarter of a step here), then call `engine.abort()` with the stream's own id (a negative id the engine never issues, so nothing is
 # aborted: it is the engine's real abort path, lock and all), plus two `stats()` scrapers. With the global lock,
 # `abort()` and `stats()` take the step's lock themselves, so all of them queue on the lock the engine's step needs.
 
 # %%
 wb = Workbench(engine, log=False).attach("lock_contention")
-with faults.inject(engine, "lock_storm", submitters=16) as storm:
+with faults.inject(engine, "lock_storm", submitters=16, hold_s=hold_s) as storm:
     storm_outs, storm_s = timed_generate(engine)       # runs to completion inside the with-block
 probe = wb.probe("lock_contention")
 storm_share = probe.wait_share()
@@ -144,7 +150,7 @@ fixed.tokenizer = engine.tokenizer         # the same model file: reuse the toke
 fixed.generate(["Hello"], SamplingParams(max_tokens=1))
 
 wb_fixed = Workbench(fixed, log=False).attach("lock_contention")
-with faults.inject(fixed, "lock_storm", submitters=16) as storm_fixed:
+with faults.inject(fixed, "lock_storm", submitters=16, hold_s=hold_s) as storm_fixed:
     fixed_outs, fixed_s = timed_generate(fixed)
 fixed_probe = wb_fixed.probe("lock_contention")
 print(f"{storm_fixed.updates} page-table updates and {storm_fixed.aborts} abort() calls by the stream threads, "
@@ -180,7 +186,7 @@ wb_fixed.findings
 def real_paths(eng):
     # The storm with submit=True: the step's lock wait share, call latencies from the fault's threads, lock rows.
     wb_m = Workbench(eng, log=False).attach("lock_contention")
-    with faults.inject(eng, "lock_storm", submitters=16, submit=True) as st:
+    with faults.inject(eng, "lock_storm", submitters=16, submit=True, hold_s=hold_s) as st:
         timed_generate(eng)
     pr = wb_m.probe("lock_contention")
     share, frame = pr.wait_share(), pr.frame()
@@ -203,7 +209,7 @@ wide.round(3)
 # step spends most of its time waiting. (The global medians are low because a stream re-takes the lock it has just
 # released, and Python's locks are not fair; the p99 is what everyone else sees.) Sharded, the step's wait share is
 # zero and `stats()` takes microseconds. `add_request` and `abort` still wait sometimes, but for a *shard*: 16 streams
-# share 8 shards and each holds its shard across a 5 ms copy most of the time, so a request landing on a busy shard
+# share 8 shards and each holds its shard across a copy (a quarter of a step) most of the time, so a request landing on a busy shard
 # waits for another stream's copy. That is stream against stream inside one lock domain, never the step; more
 # domains (one per stream, as in the field note) would remove it. Where each call went:
 

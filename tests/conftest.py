@@ -67,14 +67,22 @@ def smollm2_engine(smollm2_path):
     return Engine.from_pretrained(smollm2_path, EngineConfig(num_pages=512))
 
 
+def require_compiled(kernel, what: str):
+    """A compiled module the tests exercise: skipped without a C++ compiler, or where a faked CPU
+    (PAGEDKV_CPU_FEATURES, `make test-cpus`) refuses it; a failure where it should have loaded."""
+    mod = kernel.get()
+    if mod is None:
+        import shutil
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip(f"no C++ compiler: {what} cannot build ({kernel.why()})")
+        if os.environ.get("PAGEDKV_CPU_FEATURES") or os.environ.get("PAGEDKV_MACHINE"):
+            pytest.skip(f"the faked CPU refuses {what}: {kernel.why()}")
+        pytest.fail(f"{what} did not build: {kernel.why()}")
+    return mod
+
+
 @pytest.fixture(scope="module")
 def skinny_kernel():
     """The compiled skinny GEMM; skipped without a compiler, a failure if it should have built."""
-    from workbench.engine import skinny_gemm
-    k = skinny_gemm.kernel()
-    if k is None:
-        import shutil
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip(f"no C++ compiler ({skinny_gemm.unavailable_reason()})")
-        pytest.fail(f"the skinny GEMM did not build: {skinny_gemm.unavailable_reason()}")
-    return k
+    from workbench.engine.kernels import SKINNY_GEMM
+    return require_compiled(SKINNY_GEMM, "the skinny GEMM")

@@ -28,12 +28,10 @@ BACKENDS = [TorchPagedAttention, CpuPagedAttention]
 
 
 def need_kernel():
-    """Where a C++ compiler exists the kernel must build; without one the torch path stands."""
-    import shutil
-    if native.kernel() is None:
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip(f"no C++ compiler: the compiled decode kernel cannot build ({native.unavailable_reason()})")
-        pytest.fail(f"the compiled CPU decode kernel did not build: {native.unavailable_reason()}")
+    """Where a C++ compiler exists the kernel must build; without one (or on a faked CPU that refuses it)
+    the torch path stands."""
+    from conftest import require_compiled
+    require_compiled(native.ATTENTION, "the compiled CPU attention")
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda c: c.name)

@@ -14,6 +14,7 @@ import torch
 
 from workbench import Engine, EngineConfig, SamplingParams
 from workbench.engine import cpu_bf16, skinny_gemm
+from workbench.engine.attention import native
 from workbench.engine.attention.cpu_paged import NativeDecode, prefill_bf16_dots
 from workbench.engine.linear import NATIVE_BF16_SKINNY_ROWS, NATIVE_BF16_WIDENING_ROWS
 from workbench.engine.weights import load_model
@@ -81,13 +82,18 @@ def test_bf16_storage_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatc
     assert m.weight_dtype == torch.bfloat16 and m.dtype == torch.float32      # bf16 weights, fp32 compute
     assert eng.kv.k[0].dtype == torch.bfloat16                                # bf16 KV pages
     lin = m.layers[0].gate
-    assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.weight is None
+    if skinny_gemm.kernel() is not None:
+        assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.weight is None
+    else:                                  # a CPU without the compiled kernels: the bf16 weight, widened per call
+        assert lin.skinny is None and lin.weight.dtype == torch.bfloat16 and lin.backend in ("torch", "onednn")
     assert lin.nbytes == lin.numel * 2                                         # stored once, in bf16
     check_within_tolerance(eng, fp32)
     plan = eng.last_batch.attn_plan
-    assert plan.decode and isinstance(plan.decode[0], NativeDecode)           # the kernel read bf16 pages
+    compiled = native.kernel() is not None
+    assert plan.decode and isinstance(plan.decode[0], NativeDecode) == compiled   # the kernel read bf16 pages
     eng.generate(CHATS[:1], SamplingParams(max_tokens=1))
-    assert not eng.last_batch.attn_plan.native_prefill.bf16_dots              # storage: float32 arithmetic
+    npf = eng.last_batch.attn_plan.native_prefill
+    assert (npf is not None) == compiled and (npf is None or not npf.bf16_dots)   # storage: float32 arithmetic
 
 
 def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch):
@@ -96,6 +102,9 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
     # emulated bf16 GEMMs (no avx512_bf16 / AMX) are slow: 4 chats, not 8
     check_within_tolerance(eng, fp32, n=len(CHATS) if cpu_bf16.hardware_native() else 4)
     plan = eng.last_batch.attn_plan
+    if native.kernel() is None:            # a CPU without the compiled kernels: torch's attention, as a whole
+        assert plan.decode and not isinstance(plan.decode[0], NativeDecode) and plan.native_prefill is None
+        return
     assert plan.decode and isinstance(plan.decode[0], NativeDecode)
     # The compiled kernels take bf16 rows where the build and the CPU have avx512_bf16 (prefill's
     # scores and P.V in bf16 pairs: the outputs above were checked with them); elsewhere attention
@@ -119,16 +128,24 @@ def test_bf16_native_mode_within_tolerance_of_fp32(bf16_model, fp32, monkeypatch
 
 def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(bf16_model, monkeypatch):
     """Decode-sized inputs run the skinny GEMM: the bf16 pair kernel (vdpbf16ps) where it is compiled
-    in, else the float32 one over the same bf16 weights; larger inputs oneDNN's bf16 GEMM."""
+    in, else the float32 one over the same bf16 weights; larger inputs oneDNN's bf16 GEMM (F.linear where
+    oneDNN has none: an AVX2-only CPU)."""
+    from conftest import require_compiled
+    from workbench.engine.kernels import SKINNY_GEMM, trials
+    require_compiled(SKINNY_GEMM, "the skinny GEMM")
     eng = bf16_engine(bf16_model, "native", monkeypatch)
     pairs = skinny_gemm.bf16_pairs()
+    onednn = trials.onednn_linear(torch.bfloat16).ok      # no bf16 inner product on an AVX2-only CPU: F.linear
     for lin in (eng.model.layers[0].gate, eng.model.layers[0].down, eng.model.layers[0].qkv):
-        assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and lin.packed is not None
+        assert lin.skinny is not None and lin.skinny.dtype == torch.bfloat16 and (lin.packed is not None) == onednn
         assert lin.pairs == pairs
         assert lin.skinny_rows == (NATIVE_BF16_SKINNY_ROWS if pairs else NATIVE_BF16_WIDENING_ROWS)
-        eye = torch.eye(lin.in_features, dtype=torch.bfloat16)                    # oneDNN's copy, read back
-        assert torch.equal(lin.dense_weight(),
-                           torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "").T)
+        if onednn:
+            eye = torch.eye(lin.in_features, dtype=torch.bfloat16)                # oneDNN's copy, read back
+            assert torch.equal(lin.dense_weight(),
+                               torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "").T)
+        else:                                                                     # F.linear above the skinny rows
+            assert lin.weight is not None and lin.backend.endswith("+torch")
         ran = []
         skinny = lin._skinny
         monkeypatch.setattr(lin, "_skinny", lambda *a, f=skinny: ran.append(a[0].shape[0]) or f(*a))
@@ -148,7 +165,7 @@ def test_native_bf16_small_rows_take_the_skinny_gemm_over_the_same_bf16_weights(
 
 def test_bf16_mode_follows_the_hardware_and_the_override(monkeypatch):
     monkeypatch.delenv("PAGEDKV_BF16", raising=False)
-    native, why = cpu_bf16._hardware()
+    native, why = cpu_bf16._native_auto()          # the flags, and oneDNN's bf16 linear passing its trial
     assert cpu_bf16.mode() == ("native" if native else "storage")
     assert why in cpu_bf16.describe()
     assert cpu_bf16.compute_dtype(torch.float32) == torch.float32

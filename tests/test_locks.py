@@ -264,7 +264,10 @@ def test_lock_storm_caught_and_sharding_fixes_it(tiny_llama_dir, one_torch_threa
     assert not [f for f in off.findings if f.at_least("warn")]
     assert off_share < 0.05
 
-    with faults.inject(eng, "lock_storm") as storm:
+    # sized from this host's step time (a fixed hold is a smaller share of a slower host's step): at least
+    # the fault's 5 ms copy, a quarter of a step where steps are longer
+    hold_s = max(0.005, off.steps_frame()["duration_ms"].median() / 4e3)
+    with faults.inject(eng, "lock_storm", hold_s=hold_s) as storm:
         outs, on_share, on = _run(eng)
     assert storm.updates > 0 and storm.scrapes > 0
     assert not [t for t in threading.enumerate() if t.name.startswith(("stream-", "metrics-"))]
@@ -291,7 +294,7 @@ def test_lock_storm_caught_and_sharding_fixes_it(tiny_llama_dir, one_torch_threa
 
     sharded = _engine(tiny_llama_dir, page_table_lock="sharded", num_threads=one_torch_thread)
     sharded.generate(PROMPTS[:2], PARAMS)
-    with faults.inject(sharded, "lock_storm") as storm2:
+    with faults.inject(sharded, "lock_storm", hold_s=hold_s) as storm2:
         outs2, fixed_share, fixed = _run(sharded)
     assert storm2.updates > 0 and storm2.scrapes > 0 and storm2.aborts > 0
     assert [o.token_ids for o in outs2] == [o.token_ids for o in ref]

@@ -57,6 +57,9 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
     from workbench.engine import cpu_bf16, skinny_gemm
+    from workbench.engine.kernels import trials
+    onednn = trials.onednn_linear(torch.float32)
+    report["onednn"] = "oneDNN" if onednn.ok else f"F.linear (oneDNN refused: {onednn.why})"
     report["skinny_gemm"] = ("built" if skinny_gemm.kernel() is not None
                              else f"unavailable: {skinny_gemm.unavailable_reason()}")
     from workbench.engine import quant_layout
@@ -208,7 +211,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("default model", model_line),
         ("attention", f"{report['attention_backend']} backend; compiled CPU decode kernel "
                       f"{report['cpu_decode_kernel']}"),
-        ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; oneDNN above; "
+        ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; {report['onednn']} above; "
                     f"{report['quant_layout']}"),
     ]
     ks = report["kernel_selection"]

@@ -20,13 +20,27 @@ import functools
 import torch
 
 from . import env
+from .kernels import trials
+from .kernels.cpu import cpu_features, faked_text
 
 MODES = ("native", "storage")
 
 
-@functools.lru_cache(maxsize=None)
 def _hardware() -> tuple[bool, str]:
-    """(native bf16 GEMMs on this CPU, what showed it)."""
+    """(native bf16 GEMMs on this CPU, what showed it). A CPU faked by PAGEDKV_CPU_FEATURES is judged by
+    its flags alone (an AVX-512 host can then be an AVX2-only one)."""
+    fake = faked_text()
+    if fake is not None:
+        have = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_features()]
+        if have:
+            return True, f"the CPU faked by PAGEDKV_CPU_FEATURES={fake!r} has {' and '.join(have)}"
+        return False, (f"the CPU faked by PAGEDKV_CPU_FEATURES={fake!r} has neither avx512_bf16 nor AMX, so bf16 GEMMs "
+                       "would be emulated or missing")
+    return _detected()
+
+
+@functools.lru_cache(maxsize=None)
+def _detected() -> tuple[bool, str]:
     have = []
     for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):
         fn = getattr(torch.cpu, probe, None)
@@ -36,11 +50,7 @@ def _hardware() -> tuple[bool, str]:
         except Exception:         # an older torch without the probe: read the flags instead
             pass
     if not have:
-        try:
-            flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
-            have = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-        except OSError:
-            pass
+        have = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_features()]
     if have:
         return True, f"the CPU has {' and '.join(have)}"
     return False, "the CPU has neither avx512_bf16 nor AMX, so bf16 GEMMs would be emulated (~4.5x slower than fp32)"
@@ -63,7 +73,17 @@ def mode(device: torch.device | str = "cpu", setting: str | None = None) -> str:
     forced = _forced(setting)
     if forced in MODES:
         return forced
-    return "native" if _hardware()[0] else "storage"
+    return "native" if _native_auto()[0] else "storage"
+
+
+def _native_auto() -> tuple[bool, str]:
+    """Auto: native where the CPU has native bf16 GEMMs AND oneDNN's bf16 linear passed its trial
+    (kernels/trials.py); otherwise float32 compute over bf16 storage, which runs everywhere."""
+    hw, why = _hardware()
+    if not hw:
+        return False, why
+    t = trials.onednn_linear(torch.bfloat16)
+    return (True, why) if t.ok else (False, f"{why}, but oneDNN's bf16 linear {t.why}")
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu", setting: str | None = None) -> torch.dtype:
@@ -77,7 +97,7 @@ def describe(device: torch.device | str = "cpu", setting: str | None = None) -> 
     """One line for `kvwb doctor` and the benchmarks: the mode and why."""
     m = mode(device, setting)
     forced = _forced(setting)
-    why = f"bf16_mode={forced!r}" if forced in MODES else _hardware()[1]
+    why = f"bf16_mode={forced!r}" if forced in MODES else _native_auto()[1]
     if m == "native":
         return f"native: bf16 GEMMs with fp32 accumulate, bf16 KV pages ({why})"
     return (f"storage: bf16 weights and KV pages, computed in fp32 ({why}); "

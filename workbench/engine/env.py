@@ -60,7 +60,12 @@ TABLE: tuple[Var, ...] = (
     Var("PAGEDKV_EXTENSIONS_DIR", None, None,
         "the native builds' cache (default ~/.cache/pagedkv-workbench/torch_extensions)"),
     Var("PAGEDKV_CACHE_DIR", None, None, "the measured peak figures' cache (default ~/.cache/pagedkv-workbench)"),
-    Var("PAGEDKV_CPU_FEATURES", None, None, "fakes this CPU's feature flags for the loader (tests: avx2,fma)"),
+    Var("PAGEDKV_CPU_FEATURES", None, None,
+        "fakes this CPU's feature flags for the loader, the oneDNN and bf16 decisions (tests: avx2,fma; "
+        "none: no compiled kernel at all)"),
+    Var("PAGEDKV_MARCH", None, None, "the -march the C++ kernels are compiled for (default native; x86-64-v3: a "
+        "build every AVX2 + FMA host loads, and how an AVX-512 host tests an AVX2 one's kernels)"),
+    Var("PAGEDKV_MACHINE", None, None, "fakes the machine the loader runs on (tests: aarch64: no x86 build loads)"),
 )
 BY_NAME = {v.name: v for v in TABLE}
 

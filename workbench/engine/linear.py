@@ -14,7 +14,9 @@ to float32 for oneDNN once per call (~1% of that GEMM's time).
 A GGUF's own Q4_1 / Q8_0 blocks (engine/quant_layout.py) replace the float32 skinny layout
 when they widen to the float32 weight bit for bit (checked at load): decode sizes then stream
 ~3.6x fewer bytes for the same float32 products.
-Each layout is checked against F.linear once at load and dropped if it disagrees.
+Each layout is checked against F.linear once at load and dropped if it disagrees; before that,
+each path (oneDNN in each dtype, the skinny GEMM, its bf16 pair kernel) passed its process-wide
+trial (kernels/trials.py), so a CPU without a feature gets F.linear, never a crash mid-step.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import env, quant_layout, skinny_gemm
+from .kernels import trials
 
 _PACK_HINT = 16          # batch-size hint for the weight layout; measured insensitive from 1 to 2048
 # Rows up to which the skinny GEMM beats oneDNN, measured by benchmarks/linear_speed.py:
@@ -41,11 +44,12 @@ _ONEDNN_ACT = {"none": "none", "silu": "swish"}     # oneDNN's names for the una
 
 
 def _onednn_usable(w: torch.Tensor, backend: str) -> bool:
+    """Whether oneDNN may serve weights of w's dtype: not switched off, and its linear in that dtype
+    passed its trial on this CPU (kernels/trials.py: an AVX2-only CPU has no bf16 inner product)."""
     if backend == "torch":                         # linear_backend / PAGEDKV_LINEAR=torch: F.linear, no oneDNN either
         return False
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and trials.onednn_linear(w.dtype).ok)
 
 
 def _agrees(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -25,6 +25,7 @@ tests/test_page_pool.py runs the pool on both.
 from __future__ import annotations
 
 import threading
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,6 +155,44 @@ def load_extension(source: Path, name: str):
                                                    flags=kernels.extensions.C_FLAGS, headers=()),
                                       fallback="the Python loops")
     return _EXTRA[name].require()
+
+
+def _state(n: int = 6) -> dict:
+    """A fresh n-page pool in the PagePool's representation (pages.py): every page free, in order."""
+    return dict(nxt=array("q", range(1, n + 1)), prv=array("q", range(-1, n - 1)), is_free=array("b", b"\x01" * n),
+                page_hash=[None] * n, tokens=[None] * n, index=array("q", [-1]) * n, parent=[None] * n,
+                gen=array("q", bytes(8 * n)), ref=array("q", bytes(8 * n)), cached={}, ids=list(range(n)),
+                head=0, tail=n - 1)
+
+
+def _script(ops, st: dict) -> list:
+    """Take, register a chain, release, walk and take again (evicting a cached page): every result and
+    the state after, for comparing two implementations."""
+    st["nxt"][st["tail"]] = NIL
+    out = []
+    pages, gens, evicted, st["head"] = ops.take(st["nxt"], st["prv"], st["is_free"], st["page_hash"], st["tokens"],
+                                               st["index"], st["parent"], st["gen"], st["ref"], st["cached"],
+                                               st["ids"], st["head"], 3)
+    out += [pages, gens, evicted, st["head"]]
+    chain = ops.hash_chain(11, None, [(1, 2), (3, 4), (5, 6)])
+    out += [chain, ops.register_chain(st["cached"], st["page_hash"], st["tokens"], st["index"], st["parent"],
+                                      pages, chain, 0, None)]
+    released, still, cached, st["head"], st["tail"], error = ops.release(
+        st["ref"], st["nxt"], st["prv"], st["is_free"], st["page_hash"], pages[::-1], st["head"], st["tail"])
+    out += [released, still, cached, st["head"], st["tail"], error, ops.walk(chain, 3, st["cached"], st["tokens"]),
+            ops.count_free(st["is_free"], list(range(6)))]
+    more = ops.take(st["nxt"], st["prv"], st["is_free"], st["page_hash"], st["tokens"], st["index"], st["parent"],
+                    st["gen"], st["ref"], st["cached"], st["ids"], st["head"], 4)
+    out += [more, {k: (list(v) if isinstance(v, array) else v) for k, v in st.items()}]
+    return out
+
+
+def trial(ops) -> None:
+    """The compiled loops against the Python ones on a tiny pool (kernels/trials.py: tried once, before use)."""
+    got, want = _script(ops, _state()), _script(PYTHON, _state())
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise kernels.trials.Mismatch(f"page-pool loops, result {i}: {g!r} where the Python loops give {w!r}")
 
 
 def _load():

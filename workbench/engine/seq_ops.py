@@ -83,6 +83,35 @@ _NAMES = ("fit_running", "advance", "mapped", "token_counts", "packed_columns")
 PYTHON = SimpleNamespace(name="python", **{k: globals()[k] for k in _NAMES})
 
 
+def _seqs() -> list:
+    mk = SimpleNamespace
+    return [mk(request_id=i, num_computed_tokens=c, num_tokens=t, pages=[0] * p, page_hashes=[0] * h, num_output=o,
+               first_token_time=None, stop_at=s)
+            for i, (c, t, p, h, o, s) in enumerate([(0, 7, 1, 0, 0, 99), (15, 16, 1, 0, 0, 17), (16, 17, 2, 1, 3, 40),
+                                                     (31, 32, 2, 1, 1, 33)])]
+
+
+def _script(ops, ps: int = 16) -> list:
+    seqs = _seqs()
+    out: list = []
+    i, budget = ops.fit_running(seqs, 0, 12, ps, out)
+    sched = [(seqs[0], 7), (seqs[1], 1), (seqs[2], 1), (seqs[3], 1)]
+    result = [[(s.request_id, n) for s, n in out], i, budget, ops.token_counts(sched), ops.packed_columns(sched),
+              ops.mapped(seqs, ps)]
+    produced, special = [], []
+    ops.advance(sched, ps, True, 2.5, produced, special)
+    return result + [[s.request_id for s in produced], [(s.request_id, d) for s, d in special],
+                     [vars(s) for s in seqs]]
+
+
+def trial(ops) -> None:
+    """The compiled loops against the Python ones on four sequences (kernels/trials.py)."""
+    got, want = _script(ops), _script(PYTHON)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise kernels.trials.Mismatch(f"sequence loops, result {i}: {g!r} where the Python loops give {w!r}")
+
+
 def _load():
     mod = kernels.SEQ_OPS.require()
     return SimpleNamespace(name="compiled", **{k: getattr(mod, k) for k in _NAMES})

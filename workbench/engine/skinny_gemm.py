@@ -8,7 +8,7 @@ or after such a refusal; the linears then keep oneDNN / F.linear: slower at deco
 from __future__ import annotations
 
 from . import cpu_bf16
-from .kernels import SKINNY_GEMM
+from .kernels import SKINNY_GEMM, trials
 
 SOURCE = SKINNY_GEMM.spec.sources[0]
 ACT = {"none": 0, "silu": 1}
@@ -21,6 +21,6 @@ unavailable_reason = SKINNY_GEMM.why
 def bf16_pairs() -> bool:
     """Whether native bf16 can run the bf16 pair kernel (gemm_bf): the build has avx512_bf16
     (-march=native) and so does this CPU (the loader refuses a build for features this CPU lacks;
-    this also covers PAGEDKV_BF16=native forced on a CPU without it)."""
+    this also covers PAGEDKV_BF16=native forced on a CPU without it), and gemm_bf passed its trial."""
     k = kernel()
-    return bool(k is not None and k.bf16_dot() and cpu_bf16.hardware_native())
+    return bool(k is not None and trials.bf16_pairs(k).ok and cpu_bf16.hardware_native())

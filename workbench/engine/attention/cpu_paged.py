@@ -26,6 +26,7 @@ import torch
 
 from .. import cpu_bf16, kv_scale
 from ..batch import PackedBatch
+from ..kernels import trials
 from . import native
 from .torch_ref import TorchPagedAttention
 
@@ -96,8 +97,7 @@ def prefill_bf16_dots(kernel=None) -> bool:
     """Whether the compiled prefill can take its dot products in bf16 pairs (vdpbf16ps): the build
     has avx512_bf16 (-march=native) and so does this CPU (a cached build can be another host's)."""
     kernel = native.kernel() if kernel is None else kernel
-    return bool(kernel is not None and getattr(kernel, "prefill_bf16_dot", lambda: False)()
-                and cpu_bf16.hardware_native())
+    return bool(kernel is not None and trials.prefill_bf16_dots(kernel).ok and cpu_bf16.hardware_native())
 
 
 class CpuPagedAttention(TorchPagedAttention):

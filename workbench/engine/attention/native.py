@@ -55,7 +55,7 @@ def main() -> int:
     import time
 
     from ..kernels.cache import read_manifest
-    from ..kernels.selection import SHOWN_FEATURES
+    from ..kernels.cpu import SHOWN_FEATURES
 
     def built_for(k) -> str:
         have = set((read_manifest(k.entry()) or {}).get("cpu_features", ()))

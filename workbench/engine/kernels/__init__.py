@@ -7,6 +7,7 @@ the KernelSelection an engine decides once at start-up (selection.py).
     cpu_features()            this CPU's ISA features; $PAGEDKV_CPU_FEATURES fakes another CPU
     KernelSelection           which attention / linear / pool ops / bf16 path runs, and why
 """
+from . import trials
 from .cache import build_dir, cache_key, key_fields
 from .cpu import cpu_features
 from .extensions import ALL, ATTENTION, POOL_OPS, SEQ_OPS, SKINNY_GEMM
@@ -14,6 +15,6 @@ from .loader import Kernel, Refused
 from .selection import KernelSelection
 from .spec import Spec
 
-__all__ = ["ALL", "ATTENTION", "KernelSelection", "POOL_OPS", "SEQ_OPS", "SKINNY_GEMM", "Kernel", "Refused", "Spec",
+__all__ = ["ALL", "ATTENTION", "KernelSelection", "trials", "POOL_OPS", "SEQ_OPS", "SKINNY_GEMM", "Kernel", "Refused", "Spec",
            "build_dir", "cache_key", "cpu_features", "key_fields"]
 from . import ops  # noqa: E402,F401  registers torch.ops.pagedkv.paged_decode / paged_prefill

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from .. import env as env_vars
+from .cpu import real_machine
 from .spec import Spec
 
 MANIFEST = "manifest.json"
@@ -64,8 +65,9 @@ def torch_version() -> str:
 
 
 def key_fields(spec: Spec, compiler: str | None, torch: str | None = None) -> dict:
-    """Everything the build depends on except the CPU: what names its directory."""
-    return {"name": spec.name, "kind": spec.kind, "source_sha256": spec.source_hash(),
+    """Everything the build depends on except the CPU's features: what names its directory. The
+    machine is the compiler's target (an x86_64 build is never an aarch64 host's entry)."""
+    return {"name": spec.name, "kind": spec.kind, "machine": real_machine(), "source_sha256": spec.source_hash(),
             "compiler": compiler, "torch": torch_version() if torch is None else torch,
             "python": f"{sys.implementation.cache_tag}{sysconfig.get_config_var('EXT_SUFFIX') or ''}",
             "flags": list(spec.flags) + list(spec.ldflags)}

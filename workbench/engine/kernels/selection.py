@@ -16,11 +16,9 @@ from types import SimpleNamespace
 import torch
 
 from .. import env
-from .cpu import cpu_features
+from . import trials
+from .cpu import SHOWN_FEATURES, cpu_features, faked_text, machine
 from .extensions import ATTENTION, POOL_OPS, SEQ_OPS, SKINNY_GEMM
-
-# the features that decide which kernels can run: shown, not all ~40 flags
-SHOWN_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 @dataclass(frozen=True)
@@ -35,20 +33,26 @@ class KernelSelection:
     bf16_why: str
     cpu: str
     overrides: str = ""             # the environment's overrides of the config, "PAGEDKV_X=v, ..."
+    # every path this process tried on a tiny input (kernels/trials.py): "path: why; instead: fallback"
+    refused: tuple[str, ...] = ()
+    confirmed: tuple[str, ...] = ()
 
     def rows(self) -> list[tuple[str, str]]:
         return [("attention", f"{self.attention} ({self.attention_why})"),
                 ("linear", f"{self.linear} ({self.linear_why})"),
                 ("pool ops", f"{self.pool_ops} ({self.pool_ops_why})"),
                 ("bf16", f"{self.bf16} ({self.bf16_why})"), ("cpu", self.cpu)] + (
-                    [("env", self.overrides)] if self.overrides else [])
+                    [("env", self.overrides)] if self.overrides else []) + (
+                    [("refused", r) for r in self.refused]) + (
+                    [("confirmed", ", ".join(self.confirmed))] if self.confirmed else [])
 
     def short(self) -> str:
         """One line (the dashboard's header, logs)."""
         return f"attention {self.attention} · linear {self.linear} · pool ops {self.pool_ops} · bf16 {self.bf16}"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """JSON's shape (lists, not tuples): what `kvwb doctor --json` prints and reads back."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     def __str__(self) -> str:
         return "KernelSelection\n" + "\n".join(f"  {k + ':':<10} {v}" for k, v in self.rows())
@@ -115,17 +119,36 @@ def _bf16(config, device: torch.device, weight_dtype, compute_dtype, attention_d
 def _cpu() -> str:
     have = cpu_features()
     shown = [f for f in SHOWN_FEATURES if f in have]
-    return " ".join(shown) if shown else "no AVX2 / AVX-512 / AMX flags"
+    text = f"{machine()}: " + (" ".join(shown) if shown else "no AVX2 / AVX-512 / AMX flags")
+    fake = faked_text()
+    return text + (f" (faked: PAGEDKV_CPU_FEATURES={fake!r})" if fake is not None else "")
+
+
+def _try_all() -> None:
+    """Every CPU path tried (once per process, milliseconds), whether or not this engine takes it: what
+    was refused is then the whole answer to "what can this CPU not do"."""
+    from .. import skinny_gemm
+    from ..attention.cpu_paged import prefill_bf16_dots
+    for k in (ATTENTION, SKINNY_GEMM, POOL_OPS, SEQ_OPS):
+        k.get()
+    trials.onednn_linear(torch.float32), trials.onednn_linear(torch.bfloat16)
+    skinny_gemm.bf16_pairs(), prefill_bf16_dots()
 
 
 def select(config, device, attn, linear_backend: str, weight_dtype, compute_dtype, pool_impl, seq_impl,
            attention_dtype=None, applied: dict | None = None) -> KernelSelection:
     """applied: the environment's overrides of config ({field: "PAGEDKV_X=v"}, env.apply's)."""
     device, applied = torch.device(device), applied or {}
+    if device.type == "cpu":
+        _try_all()
     a, b, c, d = (_attention(config, device, attn, applied), _linear(config, device, linear_backend, applied),
                   _pool(config, pool_impl, seq_impl, applied),
                   _bf16(config, device, weight_dtype, compute_dtype, attention_dtype, applied))
-    return KernelSelection(*a, *b, *c, *d, cpu=_cpu(), overrides=", ".join(applied.values()))
+    done = ([k.trial() for k in (ATTENTION, SKINNY_GEMM, POOL_OPS, SEQ_OPS)] if device.type == "cpu" else []
+            ) + trials.done()
+    return KernelSelection(*a, *b, *c, *d, cpu=_cpu(), overrides=", ".join(applied.values()),
+                           refused=tuple(t.line() for t in done if not t.ok),
+                           confirmed=tuple(t.path for t in done if t.ok))
 
 
 def from_engine(engine) -> KernelSelection:
