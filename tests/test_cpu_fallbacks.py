@@ -40,6 +40,12 @@ print(json.dumps({"tokens": [o.token_ids for o in outs], "kernels": eng.kernels.
 """
 
 
+# These runs set their CPU themselves (the environment's PAGEDKV_* / ONEDNN_* cleared): under `make test-cpus`
+# they would repeat the main run's work exactly, so they run there only.
+subprocess_run = pytest.mark.skipif(bool(os.environ.get("PAGEDKV_CPU_FEATURES")),
+                                    reason="sets its own CPU: the main run covers it")
+
+
 def _run(model_dir, env: dict, dtype="float32") -> dict:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "ONEDNN_"))}
     done = subprocess.run([sys.executable, "-c", RUN, str(model_dir), json.dumps(PROMPTS), dtype],
@@ -54,6 +60,7 @@ def reference(tiny_llama_dir):
     return _run(tiny_llama_dir, {})
 
 
+@subprocess_run
 def test_onednn_without_bf16_is_refused_by_its_trial_and_native_bf16_runs_on_f_linear(tiny_llama_dir):
     got = _run(tiny_llama_dir, {"ONEDNN_MAX_CPU_ISA": "AVX2", "PAGEDKV_BF16": "native"}, dtype="bfloat16")
     assert got["raw"] and "primitive descriptor" in got["raw"]          # oneDNN really has no bf16 ip here
@@ -64,6 +71,7 @@ def test_onednn_without_bf16_is_refused_by_its_trial_and_native_bf16_runs_on_f_l
     assert all(len(t) == 6 for t in got["tokens"])                       # the 197-row prefill ran (it crashed)
 
 
+@subprocess_run
 def test_auto_bf16_falls_back_to_storage_when_onednn_refuses(tiny_llama_dir):
     """The flags say avx512_bf16 (this host), oneDNN says no: auto takes float32 compute over bf16 storage."""
     got = _run(tiny_llama_dir, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, dtype="bfloat16")
@@ -71,6 +79,7 @@ def test_auto_bf16_falls_back_to_storage_when_onednn_refuses(tiny_llama_dir):
     assert "oneDNN's bf16 linear" in got["kernels"]["bf16_why"] or "neither" in got["kernels"]["bf16_why"]
 
 
+@subprocess_run
 def test_a_faked_avx2_cpu_takes_the_torch_paths_and_says_what_it_refused(tiny_llama_dir, reference):
     got = _run(tiny_llama_dir, {"PAGEDKV_CPU_FEATURES": "avx2,fma", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     ks = got["kernels"]
@@ -87,6 +96,7 @@ def test_a_faked_avx2_cpu_takes_the_torch_paths_and_says_what_it_refused(tiny_ll
     assert bf16["compute"] == "torch.float32" and "neither avx512_bf16 nor AMX" in bf16["kernels"]["bf16_why"]
 
 
+@subprocess_run
 def test_a_faked_cpu_with_no_features_runs_no_compiled_code(tiny_llama_dir, reference):
     got = _run(tiny_llama_dir, {"PAGEDKV_CPU_FEATURES": "none"})
     ks = got["kernels"]
@@ -98,6 +108,7 @@ def test_a_faked_cpu_with_no_features_runs_no_compiled_code(tiny_llama_dir, refe
     assert got["tokens"] == reference["tokens"]
 
 
+@subprocess_run
 def test_aarch64_never_loads_an_x86_build(tiny_llama_dir, reference):
     got = _run(tiny_llama_dir, {"PAGEDKV_MACHINE": "aarch64"})
     ks = got["kernels"]
@@ -111,6 +122,7 @@ def test_aarch64_never_loads_an_x86_build(tiny_llama_dir, reference):
     assert got["tokens"] == reference["tokens"]
 
 
+@subprocess_run
 def test_doctor_lists_what_a_faked_avx2_cpu_refused_and_what_runs_instead():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "ONEDNN_"))}
     env.update(PAGEDKV_CPU_FEATURES="avx2,fma", ONEDNN_MAX_CPU_ISA="AVX2")

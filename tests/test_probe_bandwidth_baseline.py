@@ -295,7 +295,7 @@ def test_a_burst_of_a_few_milliseconds_does_not_outvote_a_window(sharp_llama_dir
     steps, found = burst_run(quiet=True, min_window_s=0)
     (w,) = found     # once the burst and noisy clean steps are half the window, until the burst leaves it
     assert w.kind == "low-bandwidth-decode" and w.evidence["window_steps"] == 8
-    assert steps[0] <= w.step < steps[-1] + 8 and w.evidence["window_s"] < 0.05
+    assert steps[0] <= w.step < steps[-1] + 8 and 0 < w.evidence["window_s"] < 0.5     # seconds, not a speed bound
     steps, found = burst_run()
     assert found == []                   # the same burst, outvoted by the clean steps before it
 
