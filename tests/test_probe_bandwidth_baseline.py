@@ -419,7 +419,11 @@ def test_a_busy_host_is_not_judged_as_the_engine(sharp_llama_dir, cache, monkeyp
 
 def test_slow_page_size_is_a_regression_against_the_supported_page_size(sharp_llama_dir, monkeypatch):
     """The fault keeps the model and the batch shapes and re-pages to 12 tokens: the baseline key
-    has no page size, so the same shapes are judged against what page_size 16 reached."""
+    has no page size, so the same shapes are judged against what page_size 16 reached. The baseline is
+    the compiled paged kernel's (on torch's attention both page sizes gather, and nothing regresses)."""
+    from conftest import require_compiled
+    from workbench.engine.kernels import ATTENTION
+    require_compiled(ATTENTION, "the compiled CPU attention")
     eng = tiny(sharp_llama_dir, num_pages=512)
     long = [[7 + i] * 500 for i in range(4)]                          # attention has real context to read
     wb = Workbench(eng, log=False).attach("bandwidth", bandwidth=dict(peak_gbs=30.0, **TINY))

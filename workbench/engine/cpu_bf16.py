@@ -30,13 +30,9 @@ def _hardware() -> tuple[bool, str]:
     """(native bf16 GEMMs on this CPU, what showed it). A CPU faked by PAGEDKV_CPU_FEATURES is judged by
     its flags alone (an AVX-512 host can then be an AVX2-only one)."""
     fake = faked_text()
-    if fake is not None:
-        have = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_features()]
-        if have:
-            return True, f"the CPU faked by PAGEDKV_CPU_FEATURES={fake!r} has {' and '.join(have)}"
-        return False, (f"the CPU faked by PAGEDKV_CPU_FEATURES={fake!r} has neither avx512_bf16 nor AMX, so bf16 GEMMs "
-                       "would be emulated or missing")
-    return _detected()
+    if fake is None:
+        return _detected()
+    return _verdict(_flags(), f"the CPU faked by PAGEDKV_CPU_FEATURES={fake!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,11 +45,17 @@ def _detected() -> tuple[bool, str]:
                 have.append(name)
         except Exception:         # an older torch without the probe: read the flags instead
             pass
-    if not have:
-        have = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_features()]
+    return _verdict(have or _flags(), "the CPU")
+
+
+def _flags() -> list[str]:
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_features()]
+
+
+def _verdict(have: list[str], cpu: str) -> tuple[bool, str]:
     if have:
-        return True, f"the CPU has {' and '.join(have)}"
-    return False, "the CPU has neither avx512_bf16 nor AMX, so bf16 GEMMs would be emulated (~4.5x slower than fp32)"
+        return True, f"{cpu} has {' and '.join(have)}"
+    return False, f"{cpu} has neither avx512_bf16 nor AMX, so bf16 GEMMs would be emulated (~4.5x slower than fp32)"
 
 
 def hardware_native() -> bool:

@@ -231,6 +231,12 @@ def _cache_key(dev: torch.device) -> tuple[str, dict[str, Any]]:
     key = "|".join(
         [parts["hostname"], f"{parts['device']} {parts['device_name']}", f"torch {parts['torch']}", f"threads {parts['threads']}"]
     )
+    # A CPU faked by PAGEDKV_CPU_FEATURES / PAGEDKV_MARCH / PAGEDKV_MACHINE (make test-cpus) runs other kernels on
+    # the same host: it is another machine for its peaks and baselines, never judged against the real one's.
+    faked = [f"{n}={env.value(n)}" for n in ("PAGEDKV_CPU_FEATURES", "PAGEDKV_MARCH", "PAGEDKV_MACHINE") if env.value(n)]
+    if faked:
+        parts["faked_cpu"] = ", ".join(faked)
+        key += f"|faked {parts['faked_cpu']}"
     return key, parts
 
 

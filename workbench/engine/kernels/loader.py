@@ -20,7 +20,8 @@ lookup, no lock, no file read. The first call decides, in this order:
 4. otherwise build (first use on a machine; `make` does it during setup) and import;
 5. the module's trial (trials.py): run once on a tiny input against a reference; a wrong result
    or an error refuses it like a missing feature, with the reason, and the fallback runs.
-Every decision is recorded in trials.py, so engine.kernels and `kvwb doctor` list what was refused.
+Kernel.trial() gives the verdict in trials.py's terms, so engine.kernels and `kvwb doctor` list a
+refused module beside the other refused paths.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class Kernel:
         # beside the reference it compares with (imported when the module is first loaded)
         self.tries = trial
         self._lock = threading.Lock()
-        self.state: dict = {}          # "module" (set last: get() reads it without the lock), "why", "entry", "trial"
+        self.state: dict = {}          # "module" (set last: get() reads it without the lock), "why", "entry"
 
     def get(self):
         st = self.state
@@ -84,15 +85,14 @@ class Kernel:
 
     def trial(self) -> trials.Trial:
         """This module's verdict as a trial: confirmed, or refused with why() and the fallback."""
-        self.get()
-        return self.state["trial"]
+        if self.get() is not None:
+            return trials.Trial(self.spec.what, True)
+        return trials.Trial(self.spec.what, False, self.why(), self.fallback)
 
     def _load(self):
         spec = self.spec
         if switched_off(spec):
-            why = f"{spec.switch[0]}={spec.switch[1]}"
-            self.state["trial"] = trials.Trial(spec.what, False, f"switched off ({why})", self.fallback)
-            return None, why, None
+            return None, f"{spec.switch[0]}={spec.switch[1]}", None
         entry = None
         try:
             mod, entry = load(spec)
@@ -100,13 +100,11 @@ class Kernel:
                 got = trials.run(spec.what, self.fallback, lambda: _resolve(self.tries)(mod))
                 if not got.ok:
                     raise Refused(f"refused the build {entry}: it {got.why}", entry)
-            self.state["trial"] = trials.Trial(spec.what, True)
             return mod, None, entry
         except Refused as e:
             why, entry = e.args[0], e.args[1]
         except Exception as e:             # no compiler, no headers, a read-only cache, ...
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        self.state["trial"] = trials.Trial(spec.what, False, why, self.fallback)
         log.warning("%s unavailable (%s): using %s", spec.what, why, self.fallback)
         return None, why, entry
 

@@ -13,8 +13,8 @@ process on a few rows and compared with a plain reference (float64 torch, or the
     compiled page-pool / sequence loops  against their Python reference (pool_ops.py, seq_ops.py)
 
 A failure is recorded with its reason and the path taken instead (here, or for a native module by
-its loader: Kernel.trial()); KernelSelection.refused lists them for engine.kernels and `kvwb doctor`. Where PAGEDKV_CPU_FEATURES fakes a CPU, a path that needs a
-feature the faked CPU lacks is refused before it is run (`needs`): so an AVX-512 host behaves as
+its loader: Kernel.trial()); KernelSelection.refused lists them for engine.kernels and `kvwb doctor`.
+Where PAGEDKV_CPU_FEATURES fakes a CPU, a path that needs a feature the faked CPU lacks is refused before it is run (`needs`): so an AVX-512 host behaves as
 an AVX2-only one (set ONEDNN_MAX_CPU_ISA=AVX2 too and oneDNN itself refuses, as it does there).
 The decisions are made where each path is chosen (linear.py, cpu_bf16.py, skinny_gemm.py, the
 kernels loader, pool_ops.py, seq_ops.py); this module only tries and remembers.
