@@ -11,11 +11,9 @@ vLLM's real code paths (faults.py), and each test asserts that vLLM's behaviour 
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from workbench.adapters.vllm.server import ROOT, vllm_python
+from workbench.adapters.vllm.server import vllm_python
 
 from vllm_inproc import fault_file, run_inproc
 
@@ -23,22 +21,14 @@ pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason=f"no vLLM environment at {vllm_python()} (make vllm installs it)")
 
 
-def _write(tmp_path_factory, kind: str) -> str:
-    out = tmp_path_factory.mktemp(f"{kind}-model")
-    p = subprocess.run([str(vllm_python()), "-m", "workbench.adapters.vllm.tiny_model", f"--{kind}", str(out)],
-                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return str(out)
+@pytest.fixture(scope="module")
+def hybrid(vllm_models) -> str:
+    return vllm_models["hybrid"]
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> str:
-    return _write(tmp_path_factory, "hybrid")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, hybrid) -> dict:
-    return {"hybrid": hybrid, "sliding": _write(tmp_path_factory, "sliding")}
+def models(vllm_models) -> dict:
+    return vllm_models
 
 
 def moved(clean, r) -> dict[str, float]:

@@ -29,12 +29,8 @@ ARGS = ("--requests", "6", "--max-tokens", "40", "--num-blocks", "80", "--stagge
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("hybrid-model")
-    p = subprocess.run([str(vllm_python()), "-m", "workbench.adapters.vllm.tiny_model", "--hybrid", str(out)],
-                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return str(out)
+def hybrid(vllm_models) -> str:
+    return vllm_models["hybrid"]
 
 
 def only_dir(root: Path) -> Path:

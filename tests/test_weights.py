@@ -105,6 +105,37 @@ def test_chat_template_matches_transformers(ours, hf_tokenizer):
     assert no_prompt == tok.apply_chat_template(MESSAGES)[: len(no_prompt)]
 
 
+def test_a_gguf_tokenizer_is_kept_on_disk_and_read_back_the_same(gguf_path, hf_tokenizer, tmp_path, monkeypatch):
+    from workbench.engine import tokenizer as tokenizer_module
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tokenizer_module, "_LOADED", {})             # as a new process finds it
+    entry = tokenizer_module.gguf_cache_entry(gguf_path)
+    assert entry.parent == tmp_path / "tokenizers" and not entry.exists()
+    built = Tokenizer(gguf_path)
+    built.encode("x")
+    assert (entry / "tokenizer.json").is_file()                      # rebuilt once, then written
+    monkeypatch.setattr(tokenizer_module, "_LOADED", {})
+    calls = []
+    import transformers
+    orig = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append((a, k)) or orig(*a, **k))
+    read = Tokenizer(gguf_path)
+    for text in TEXTS:                                               # the one read back is the reference's twin
+        assert read.encode(text) == hf_tokenizer(text)["input_ids"] == built.encode(text), text
+        assert read.decode(read.encode(text)) == text
+    for msgs in (MESSAGES, MESSAGES[1:2]):
+        assert read.apply_chat_template(msgs) == list(hf_tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert [a[0] for a, _ in calls] == [str(entry)] and "gguf_file" not in calls[0][1]   # from the entry
+    # a cut-off entry is rebuilt from the GGUF, not trusted
+    (entry / "tokenizer.json").write_text("{")
+    monkeypatch.setattr(tokenizer_module, "_LOADED", {})
+    again = Tokenizer(gguf_path)
+    assert again.encode(TEXTS[0]) == hf_tokenizer(TEXTS[0])["input_ids"]
+    assert calls[-1][1].get("gguf_file") == gguf_path.name and (entry / "tokenizer.json").stat().st_size > 1000
+
+
 # ---------------------------------------------------------------- HF directory
 
 

@@ -59,7 +59,8 @@ TABLE: tuple[Var, ...] = (
         "1: without a real torch_npu, install the CPU double of its paged ops (a dry run of the npu path)", "0"),
     Var("PAGEDKV_EXTENSIONS_DIR", None, None,
         "the native builds' cache (default ~/.cache/pagedkv-workbench/torch_extensions)"),
-    Var("PAGEDKV_CACHE_DIR", None, None, "the measured peak figures' cache (default ~/.cache/pagedkv-workbench)"),
+    Var("PAGEDKV_CACHE_DIR", None, None,
+        "the workbench's cache: measured peak figures, tokenizers rebuilt from GGUF (default ~/.cache/pagedkv-workbench)"),
     Var("PAGEDKV_CPU_FEATURES", None, None,
         "fakes this CPU's feature flags for the loader, the oneDNN and bf16 decisions (tests: avx2,fma; "
         "none: no compiled kernel at all)"),

@@ -5,13 +5,23 @@ workbench/adapters/vllm/inproc.py is the driver (vLLM's own EngineArgs, EngineCo
 scheduler, executor, CPU runner); this binds a SanitizerListener, starts it with the plugin's
 settings, and returns what came back: the driver's result, the listener's state, vLLM's log.
 `pre` is Python run in the subprocess before the driver (a test's planted bug).
+
+Each run is a fork of one long-lived vLLM process that has vLLM imported already (zygote.py):
+a run of its own, its environment and exit code its own, started in ~2 s rather than ~8.
+PAGEDKV_VLLM_ZYGOTE=0 starts every run as a fresh `python -c` instead (and so does a zygote
+that cannot start or has died).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +45,86 @@ class Run:
         return [f for f in self.findings if f.at_least(sev)]
 
 
+class Zygote:
+    """The parent side of zygote.py: one per process, started on first use, gone at exit."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([str(vllm_python()), "-m", "workbench.adapters.vllm.zygote"], env=env,
+                                     cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="vllm-zygote-reader").start()
+        if self._next(120) != "READY":
+            self.close()
+            raise RuntimeError("the vLLM zygote did not start")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)                                   # it has gone
+
+    def _next(self, timeout_s: float):
+        try:
+            return self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            return "TIMEOUT"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, code: str, argv: list, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="pagedkv-vllm-run-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            job = {"code": code, "argv": list(argv), "env": env, "cwd": str(ROOT), "stdout": str(out),
+                   "stderr": str(err)}
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            got = self._next(60)
+            if not (got or "").startswith("PID "):
+                raise RuntimeError(f"the vLLM zygote did not fork a run: {got!r}")
+            pid = int(got.split()[1])
+            got = self._next(timeout_s)
+            if got == "TIMEOUT":
+                os.kill(pid, signal.SIGKILL)
+                self._next(30)
+                raise subprocess.TimeoutExpired(["vllm-zygote-run", *argv], timeout_s)
+            if not (got or "").startswith(f"EXIT {pid} "):
+                raise RuntimeError(f"the vLLM zygote lost run {pid}: {got!r}")
+            return subprocess.CompletedProcess(argv, int(got.split()[2]), out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_ZYGOTE: list = []            # [Zygote] once started; [None] once it could not be
+
+
+def _zygote(env: dict):
+    if os.environ.get("PAGEDKV_VLLM_ZYGOTE", "1") == "0":
+        return None
+    if _ZYGOTE and (_ZYGOTE[0] is None or _ZYGOTE[0].alive()):
+        return _ZYGOTE[0]
+    _ZYGOTE.clear()
+    try:
+        z = Zygote(env)
+        atexit.register(z.close)
+    except Exception:              # noqa: BLE001 - runs start as plain processes instead
+        z = None
+    _ZYGOTE.append(z)
+    return z
+
+
+def _run(code: str, args: tuple, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    z = _zygote({k: v for k, v in env.items() if not k.startswith("PAGEDKV_")})
+    if z is not None:
+        return z.run(code, list(args), env, timeout_s)
+    return subprocess.run([str(vllm_python()), "-c", code, *args], env=env, capture_output=True, text=True,
+                          cwd=str(ROOT), timeout=timeout_s)
+
+
 def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool = True,
                timeout_s: float = 300) -> Run:
     addr = f"tcp://127.0.0.1:{free_port()}"
@@ -44,8 +134,7 @@ def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool 
     e.update(env or {})
     code = (pre + "\nimport sys\nfrom workbench.adapters.vllm.inproc import main\nmain(sys.argv[1:])\n")
     try:
-        p = subprocess.run([str(vllm_python()), "-c", code, *args], env=e, capture_output=True, text=True,
-                           cwd=str(ROOT), timeout=timeout_s)
+        p = _run(code, args, e, timeout_s)
         time.sleep(0.3)                                  # the last messages in flight
         res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         result = json.loads(res[-1][7:]) if res else None
