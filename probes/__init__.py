@@ -19,6 +19,7 @@ PROBES = {
     "pool_accounting": "probes.pool_accounting:PoolAccountingProbe",
     "prefix_cache": "probes.prefix_cache:PrefixCacheProbe",
     "shadow": "probes.shadow:ShadowProbe",
+    "attention": "probes.attention_check:AttentionCheckProbe",
     "rank_consistency": "probes.rank_consistency:RankConsistencyProbe",
     "forward_progress": "probes.forward_progress:ForwardProgressProbe",
 }

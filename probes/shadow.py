@@ -96,6 +96,15 @@ def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(err, nan=math.inf)
 
 
+def stored_kv(cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:
+    """K or V of positions [0, ctx) as stored in those pages (a sequence's own page list), [ctx, Hkv, D] float32."""
+    data = cache.index_select(0, pages)
+    scale = kv_scale.page_scale(cache)
+    if scale is not None:                           # fp16_scaled: undo each page's scale
+        data = kv_scale.unscale(data, scale, pages, torch.float32)
+    return data.reshape(-1, *cache.shape[2:])[:ctx].float()
+
+
 def _attend(q, k, v, allowed, scale) -> torch.Tensor:
     """q [n, Hq, D] over k, v [ctx, Hkv, D] (float32), allowed [n, ctx] or None (causal) -> [n, Hq, D]."""
     t = lambda x: x.transpose(0, 1)[None]
@@ -305,12 +314,7 @@ class ShadowProbe(Probe):
             del self.rows[: len(self.rows) // 2]
 
     def _stored(self, cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:
-        """K or V of positions [0, ctx) as stored in those pages, [ctx, Hkv, D] float32."""
-        data = cache.index_select(0, pages)
-        scale = kv_scale.page_scale(cache)
-        if scale is not None:                           # fp16_scaled: undo each page's scale
-            data = kv_scale.unscale(data, scale, pages, torch.float32)
-        return data.reshape(-1, *cache.shape[2:])[:ctx].float()
+        return stored_kv(cache, pages, ctx)
 
     # ---- findings ----------------------------------------------------------------------------
     def _judge(self, p, e, exact, drift, t):

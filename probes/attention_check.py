@@ -1,0 +1,386 @@
+"""attention: every forward, one request row and one layer checked against float32 attention
+over that request's own stored K/V, from the model's own inputs to attention.
+
+The shadow recomputes a sequence from its tokens through every layer, so it can only afford a
+check every few dozen steps, and a persistent math bug is caught only where its sample lands.
+This check takes what the layer handed to attention (q, the K/V it wrote, its input hidden state)
+and what attention handed back, for one layer and a few query rows of one request, so it costs
+a gather of that request's pages for one layer and a few rows of attention: it runs on every
+forward. Per check, in this order:
+
+1. write: this step's K/V as stored in the request's slots (read through its own page list,
+   ``seq.pages``, never the batch's block table or slot mapping) vs the K/V the layer handed
+   to the write: a bad write, a slot slip, heads stored in another order;
+2. rope: the sampled rows' q and k vs the layer's own projection of its input hidden state,
+   rotated at the row's true position (``num_computed_tokens`` + offset in the chunk): a RoPE
+   position slip (which the write and read checks cannot see: a q and k rotated at the wrong
+   position are stored and read consistently);
+3. read: the paged attention output of the sampled rows vs float32 attention of the layer's q
+   over the stored K/V, with the true causal mask (a key at position <= the query's), the
+   model's scale (head_dim ** -0.5) and its GQA map (query head h reads KV head h // group);
+   our engine's models have no sliding window or soft-cap. When it fails, the check tries the
+   nearest explanations: the mask shifted by one, another scale, another KV head for the wrong
+   query heads, one page of the context left out.
+
+Rotation: forward f checks layer f % L and a row of kind KINDS[(f + f // L) % 3] (decode, a
+prefill chunk that reads pages, a whole prompt), falling back to the next kind the batch has;
+within a kind, alternately the row with the longest context and the next in turn. So every
+layer is checked every L forwards, every kind within 3 forwards of its being in the batch, and
+every (layer, kind) pair within 3L. Prefill rows: up to `max_rows` query rows (the first, the
+last, evenly between); the write check covers all of the request's rows this step.
+
+Tolerances (max |got - want| / max |want|) are the shadow's "same inputs" ones by the coarsest
+dtype (fp32 1e-4, fp16 5e-3, bf16 3e-2). The first failing comparison gives one error per
+(kind, request, layer), naming the request, layer, heads, query position and page.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workbench.engine import instrumentation
+from workbench.engine.taps import ModelTap
+from workbench.probe import Probe
+
+from .shadow import TOLERANCE, _rel_rows, _rms, _rope, stored_kv
+
+KINDS = ("decode", "chunk", "prefill")
+MAX_PAGE_TRIES = 64             # "one page left out" is tried for contexts of at most this many pages
+
+HINT_WRITE = ("the K/V stored at the request's slots are not the ones the layer handed to the write: check "
+              "slot_mapping, the head layout of the store (write_kv / rope_write) and the page list")
+HINT_ROPE = ("q / k were rotated at another position than the row's (num_computed_tokens + offset): check "
+             "batch.positions and the cos / sin rows RoPE reads")
+HINT_READ = ("the pages hold the right K/V but attention over them is wrong: check the kernel's causal mask "
+             "(bottom-right aligned over the context), its scale, its query-head to KV-head map, the pages it "
+             "walks (context length, page index) and the block table rows it reads")
+
+
+class _Tap(ModelTap):
+    needs = frozenset({"q", "kv", "attention_out", "hidden"})
+
+    def __init__(self, on_q, on_kv, on_out, on_hidden):
+        self.on_q, self.on_kv, self.on_attention_out, self.on_hidden = on_q, on_kv, on_out, on_hidden
+
+
+def _attend(q, k, v, allowed, scale, kv_head=None) -> torch.Tensor:
+    """q [r, Hq, D] over k, v [ctx, Hkv, D] (float32); allowed [r, ctx]; kv_head [Hq]: the KV head
+    each query head reads (default: the GQA map h // group, as batched matmuls per KV head) -> [r, Hq, D]."""
+    r, hq, d = q.shape
+    hkv = k.shape[1]
+    if kv_head is None:                         # the G query heads of a KV head ride on the row axis
+        g = hq // hkv
+        qg = q.reshape(r, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * r, d)
+        s = torch.bmm(qg, k.permute(1, 2, 0)) * scale                         # [Hkv, G*r, ctx]
+        s = s.masked_fill(~allowed.repeat(g, 1)[None], -math.inf)
+        o = torch.bmm(torch.softmax(s, dim=-1), v.transpose(0, 1))           # [Hkv, G*r, D]
+        return o.reshape(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, hq, d)
+    kh, vh = k.index_select(1, kv_head), v.index_select(1, kv_head)          # [ctx, Hq, D]
+    s = torch.bmm(q.transpose(0, 1), kh.permute(1, 2, 0)) * scale           # [Hq, r, ctx]
+    s = s.masked_fill(~allowed[None], -math.inf)
+    return torch.bmm(torch.softmax(s, dim=-1), vh.transpose(0, 1)).transpose(0, 1)
+
+
+def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [r, H, D] rotated at positions pos [r] (the rotate-half convention of model.apply_rope)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    emb = torch.cat([pos.float()[:, None] * inv[None]] * 2, dim=-1)[:, None, :]
+    return _rope(x, emb.cos(), emb.sin())
+
+
+def _head_err(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per head, max |got - want| relative to max |want|: [H]."""
+    return torch.nan_to_num((got.float() - want).abs().amax(dim=(0, 2)) / want.abs().amax().clamp_min(1e-30),
+                            nan=math.inf)
+
+
+class AttentionCheckProbe(Probe):
+    name = "attention"
+    description = "every forward: one layer, one request row, attention recomputed from its own inputs and pages"
+
+    def __init__(self, seed: int = 0, max_rows: int = 8, tolerance: float | None = None,
+                 max_history: int = 100_000, **params):
+        super().__init__(seed=seed, max_rows=max_rows, tolerance=tolerance, max_history=max_history, **params)
+        if not isinstance(max_rows, int) or max_rows < 2:
+            raise ValueError(f"max_rows must be an int >= 2 (a prefill's first and last row), got {max_rows!r}")
+        rng = np.random.default_rng(seed)
+        self._offset = int(rng.integers(1 << 16))       # where the rotation starts
+        self.max_rows, self._tol, self.max_history = max_rows, tolerance, max_history
+        self.forwards = 0
+        self.checks = 0
+        self._plan = None
+        self._q = None
+
+    def on_attach(self, engine) -> None:
+        self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out),
+                         self.guard(self._on_hidden))
+        instrumentation.add_tap(engine, self._tap)
+
+    def on_detach(self, engine) -> None:
+        instrumentation.remove_tap(engine, self._tap)
+        self._plan, self._q = None, None          # nothing of a half-seen forward outlives the engine
+
+    def reset(self) -> None:
+        super().reset()
+        self.checks = self.forwards = 0
+
+    def tolerance(self) -> float:
+        if self._tol is not None:
+            return float(self._tol)
+        dts = (self.engine.model.dtype, self.engine.kv.k[0].dtype)
+        return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16])[0] for d in dts)
+
+    # ---- taps ------------------------------------------------------------------------------
+    def _on_q(self, layer, q) -> None:
+        self._q = (layer, q)
+
+    def _on_hidden(self, layer, h, batch) -> None:
+        p = self._plan
+        if p is not None and layer == p["layer"] - 1:       # the input of the checked layer
+            p["h"] = h.index_select(0, p["abs_rows"]).clone()
+
+    def _on_kv(self, layer, k, v, batch) -> None:
+        q, self._q = self._q, None
+        if layer == 0:
+            self.forwards += 1
+            self._plan = self._pick(batch)
+        p = self._plan
+        if p is None or layer != p["layer"]:
+            return
+        a, b = p["row"], p["row"] + p["n"]
+        if layer == 0:
+            m = self.engine.model
+            p["h"] = F.embedding(batch.input_ids.index_select(0, p["abs_rows"]), m.embed).to(m.dtype)
+        # views, not copies: the layer's q / k / v buffers live, unchanged, until its attention output
+        p["k"], p["v"] = k[a:b], v[a:b]
+        p["q"] = q[1].index_select(0, p["abs_rows"]).float() if q is not None and q[0] == layer else None
+
+    def _on_out(self, layer, o, batch) -> None:
+        p = self._plan
+        if p is None or layer != p["layer"]:
+            return
+        self._plan = None
+        p["o"] = o.index_select(0, p["abs_rows"]).float()
+        self._check(p)
+
+    # ---- which row, which layer ------------------------------------------------------------
+    def _pick(self, batch):
+        if getattr(self.engine, "parallel", None) is not None:
+            return None          # tensor parallel: each rank holds a share of the heads (rank_consistency's domain)
+        seqs = batch.seqs
+        rec = self.engine.step_record
+        sched = rec.schedule.scheduled if rec is not None and rec.batch is batch and rec.schedule else []
+        if len(sched) == len(seqs) and all(s is t for (s, _), t in zip(sched, seqs)):
+            ns = [int(n) for _, n in sched]                 # the scheduler's decision, not cu_seqlens
+        else:
+            ns = np.diff(batch.cu_seqlens_q_np).astype(int).tolist()
+        starts = np.concatenate([[0], np.cumsum(ns)]).astype(int)
+        ps, npages = batch.page_size, self.engine.kv.k[0].shape[0]
+        by_kind: dict[str, list] = {k: [] for k in KINDS}
+        for i, (s, n) in enumerate(zip(seqs, ns)):
+            ctx = s.num_computed_tokens + n
+            need = -(-ctx // ps)
+            if (n < 1 or ctx > len(s.token_ids) or len(s.pages) < need
+                    or not all(0 <= pg < npages for pg in s.pages[:need])):     # page_table's job
+                continue
+            by_kind["decode" if n == 1 else "chunk" if ctx > n else "prefill"].append(i)
+        nl = self.engine.model_config.num_layers
+        f = self.forwards - 1 + self._offset
+        want = (f + f // nl) % 3
+        for j in range(3):
+            cand = by_kind[KINDS[(want + j) % 3]]
+            if cand:
+                break
+        else:
+            return None
+        kind = KINDS[(want + j) % 3]
+        if (f // 3) % 2 == 0:                               # the longest context: most pages walked
+            i = max(cand, key=lambda c: seqs[c].num_computed_tokens + ns[c])
+        else:
+            i = cand[(f // 6) % len(cand)]
+        s, n = seqs[i], ns[i]
+        sel = np.unique(np.linspace(0, n - 1, min(n, self.max_rows)).round().astype(int))
+        dev = batch.input_ids.device
+        return {"seq": s, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens, "kind": kind,
+                "layer": f % nl, "sel": torch.from_numpy(sel).to(dev),
+                "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
+
+    # ---- the check -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _check(self, p) -> None:
+        t0 = time.perf_counter()
+        eng = self.engine
+        m, cfg, kv = eng.model, eng.model.cfg, eng.kv
+        seq, start, n, L = p["seq"], p["start"], p["n"], p["layer"]
+        ctx, ps = start + n, kv.page_size
+        hd = cfg.head_dim
+        tol = self.tolerance()
+        pages = torch.tensor(seq.pages[: -(-ctx // ps)], dtype=torch.long, device=kv.k[L].device)
+        ks, vs = self._stored(kv.k[L], pages, ctx), self._stored(kv.v[L], pages, ctx)
+        sel, pos = p["sel"], p["sel"] + start
+        p["k"], p["v"] = p["k"].float(), p["v"].float()
+        errs = {"write": max(float(_rel_rows(ks[start:], p["k"]).max()), float(_rel_rows(vs[start:], p["v"]).max()))}
+        found = None
+        if errs["write"] > tol:
+            found = self._report_write(p, ks[start:], vs[start:], tol)
+        Ly = m.layers[L]
+        if p.get("h") is not None:
+            qkv = Ly.qkv(_rms(p["h"], Ly.norm_attn, cfg.rms_norm_eps)).float()
+            q_raw = qkv[:, : m.q_size].view(len(sel), cfg.num_heads, hd)
+            k_raw = qkv[:, m.q_size: m.q_size + m.kv_size].view(len(sel), cfg.num_kv_heads, hd)
+            want_q, want_k = _rope_at(q_raw, pos, cfg.rope_theta), _rope_at(k_raw, pos, cfg.rope_theta)
+            k_sel = p["k"].index_select(0, sel)
+            eq = _rel_rows(p["q"], want_q) if p["q"] is not None else torch.zeros(len(sel))
+            ek = _rel_rows(k_sel, want_k)
+            errs["rope"] = max(float(eq.max()), float(ek.max()))
+            if found is None and errs["rope"] > tol:
+                found = self._report_rope(p, q_raw, k_raw, p["q"], k_sel, eq, ek, tol)
+        if p["q"] is not None:
+            keys = torch.arange(ctx, device=ks.device)[None, :]
+            allowed = keys <= pos[:, None]
+            kr, vr = (ks, vs) if start else (p["k"], p["v"])     # a whole prompt attends to what it computed
+            want = _attend(p["q"], kr, vr, allowed, hd ** -0.5)
+            err = _rel_rows(p["o"], want)
+            errs["read"] = float(err.max())
+            if found is None and errs["read"] > tol:
+                found = self._report_read(p, err, want, kr, vr, pages, tol)
+        dt = time.perf_counter() - t0
+        self.checks += 1
+        self.rows.append({"step": p["step"], "request_id": seq.request_id, "layer": L, "kind": p["kind"],
+                          "ctx": ctx, "rows": len(sel), "err_write": errs["write"], "err_rope": errs.get("rope"),
+                          "err_read": errs.get("read"), "tolerance": tol, "bad": found, "us": dt * 1e6})
+        if len(self.rows) > self.max_history:           # a probe must not become the leak it hunts
+            del self.rows[: len(self.rows) // 2]
+
+    def _stored(self, cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:
+        return stored_kv(cache, pages, ctx)
+
+    # ---- findings --------------------------------------------------------------------------
+    def _where(self, p, pos: int) -> tuple[int, dict]:
+        seq, ps = p["seq"], self.engine.kv.page_size
+        page = int(seq.pages[pos // ps])
+        return page, {"position": pos, "page": page, "page_index": pos // ps, "offset": pos % ps,
+                      "token_id": int(seq.token_ids[pos]), "layer": p["layer"], "row_kind": p["kind"],
+                      "query_start": p["start"], "context": p["start"] + p["n"],
+                      "user_request_id": getattr(seq, "user_request_id", None)}
+
+    def _emit(self, p, kind, pos, what, hint, evidence, **extra) -> str:
+        rid, L = p["seq"].request_id, p["layer"]
+        page, ev = self._where(p, pos)
+        ev.update(evidence)
+        self.report("error", f"request {rid}, layer {L}, position {pos} (page {page}, {p['kind']} row): {what}",
+                    hint, kind=kind, dedup=(kind, rid, L), step=p["step"], request_id=rid, layer=L, page=page,
+                    evidence=ev, **extra)
+        return kind
+
+    def _report_write(self, p, ks, vs, tol) -> str:
+        ek, ev = _rel_rows(ks, p["k"]), _rel_rows(vs, p["v"])
+        r = int(torch.nonzero((ek > tol) | (ev > tol))[0])
+        bad_k = bool(ek[r] > tol)
+        got, handed = (ks[r], p["k"][r]) if bad_k else (vs[r], p["v"][r])
+        wrong = [int(h) for h in torch.nonzero(_head_err(got[None], handed[None]) > tol).flatten()]
+        # whose values do the wrong heads hold? another head of the same token: heads permuted
+        norm = handed.abs().amax().clamp_min(1e-30)
+        holds = {h: int(((got[h][None] - handed).abs().amax(-1) / norm).argmin()) for h in wrong}
+        permuted = all(float((got[h] - handed[j]).abs().amax() / norm) <= tol and j != h for h, j in holds.items())
+        explain = (f"heads stored in another order (stored head -> the head it holds: "
+                   f"{', '.join(f'{h}->{j}' for h, j in holds.items())})" if permuted and wrong else
+                   "not the values computed for this token")
+        return self._emit(p, "attention-write", p["start"] + r,
+                          f"the {'K' if bad_k else 'V'} stored at its slot differs from what the layer handed to "
+                          f"the write in head(s) {wrong} (error {float(max(ek[r], ev[r])):.3g} x max, tolerance "
+                          f"{tol:.1g}): {explain}",
+                          HINT_WRITE, {"check": "write", "tensor": "K" if bad_k else "V", "heads": wrong,
+                                       "err": float(max(ek[r], ev[r])), "tolerance": tol,
+                                       "rows_wrong": int(((ek > tol) | (ev > tol)).sum()),
+                                       **({"heads_hold": holds} if permuted and wrong else {})})
+
+    def _report_rope(self, p, q_raw, k_raw, q, k, eq, ek, tol) -> str:
+        r = int(torch.nonzero((eq > tol) | (ek > tol))[0])
+        pos = int(p["sel"][r]) + p["start"]
+        which, raw, got = ("q", q_raw, q) if bool(eq[r] > tol) else ("k", k_raw, k)
+        theta = self.engine.model_config.rope_theta
+        tries = {pos + d: float(_rel_rows(got[r][None], _rope_at(raw[r][None],
+                                                                   torch.tensor([pos + d], device=raw.device),
+                                                                   theta)).max())
+                 for d in range(-4, 5) if d and pos + d >= 0}
+        at = min(tries, key=tries.get)
+        explain = (f"it was rotated at position {at}: a RoPE position slip" if tries[at] <= tol
+                   else "it is not the layer's projection of its input rotated at any nearby position")
+        return self._emit(p, "attention-rope", pos,
+                          f"{which} differs from the layer's own projection rotated at the row's position "
+                          f"(error {float(max(eq[r], ek[r])):.3g} x max, tolerance {tol:.1g}): {explain}",
+                          HINT_ROPE, {"check": "rope", "tensor": which, "err": float(max(eq[r], ek[r])),
+                                      "tolerance": tol, **({"rotated_at_position": at} if tries[at] <= tol else {})})
+
+    def _report_read(self, p, err, want, kr, vr, pages, tol) -> str:
+        q, got, sel, start = p["q"], p["o"], p["sel"], p["start"]
+        r = int(torch.nonzero(err > tol)[0])
+        pos = int(sel[r]) + start
+        heads = [int(h) for h in torch.nonzero(_head_err(got, want) > tol).flatten()]
+        match = self._explain(p, q, got, kr, vr, pages, heads, tol)
+        return self._emit(p, "attention-read", pos,
+                          f"paged attention output differs from float32 attention over the request's own stored "
+                          f"K/V in head(s) {heads} (error {float(err[r]):.3g} x max, tolerance {tol:.1g}, "
+                          f"{int((err > tol).sum())}/{len(sel)} rows checked)"
+                          + (f"; it matches {match[1]}" if match else "; no nearby explanation matches"),
+                          HINT_READ, {"check": "read", "heads": heads, "err": float(err[r]), "tolerance": tol,
+                                      "rows_wrong": int((err > tol).sum()), "rows": len(sel),
+                                      **({"explanation": match[0], "matches": match[1]} if match else {})})
+
+    def _explain(self, p, q, got, kr, vr, pages, heads, tol):
+        """The nearest explanation of a bad read whose output it reproduces: (kind, words) or None."""
+        cfg = self.engine.model.cfg
+        hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        scale = hd ** -0.5
+        pos = p["sel"] + p["start"]
+        ctx = kr.shape[0]
+        keys = torch.arange(ctx, device=kr.device)[None, :]
+        same = lambda o: float(_rel_rows(got, o).max()) <= tol
+        for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
+            allowed = keys <= pos[:, None] + d
+            allowed[:, 0] = True
+            if same(_attend(q, kr, vr, allowed, scale)):
+                return "mask", f"a causal mask shifted by {d:+d} ({what})"
+        allowed = keys <= pos[:, None]
+        for s, what in ((1.0 / hd, "1/head_dim"), (1.0, "1"), (hd ** -0.25, "head_dim^-1/4"),
+                        (2 * scale, "twice the model's"), (scale / 2, "half the model's")):
+            if same(_attend(q, kr, vr, allowed, s)):
+                return "scale", f"the scale {what} ({s:.4g}; the model's is head_dim^-1/2 = {scale:.4g})"
+        if heads and hkv > 1:                           # which KV head does each wrong query head read?
+            default = torch.arange(hq, device=q.device) // (hq // hkv)
+            read = {}
+            for h in heads:
+                for j in range(hkv):
+                    kvh = default.clone()
+                    kvh[h] = j
+                    o = _attend(q, kr, vr, allowed, scale, kvh)
+                    if float(_head_err(got[:, h:h + 1], o[:, h:h + 1]).max()) <= tol:
+                        read[h] = j
+                        break
+            if read and len(read) == len(heads) and any(j != int(default[h]) for h, j in read.items()):
+                return "kv-head-map", ("another GQA map: query head -> KV head read " +
+                                       ", ".join(f"{h}->{j} (want {int(default[h])})" for h, j in read.items()))
+        ps = self.engine.kv.page_size
+        npg = -(-ctx // ps)
+        if 1 < npg <= MAX_PAGE_TRIES:
+            for i in range(npg):
+                skip = allowed & ~((keys >= i * ps) & (keys < (i + 1) * ps))
+                if bool(skip.any(-1).all()) and same(_attend(q, kr, vr, skip, scale)):
+                    return "page-skipped", f"attention with page index {i} (page {int(pages[i])}) left out"
+        return None
+
+    # ---- views -------------------------------------------------------------------------------
+    def widget(self):
+        """Error of each check against its tolerance, by step (log scale)."""
+        import plotly.express as px
+        df = self.frame()
+        if df.empty:
+            return px.scatter(title=f"{self.name}: no checks yet")
+        return px.scatter(df, x="step", y=["err_write", "err_rope", "err_read", "tolerance"], log_y=True,
+                          hover_data=["request_id", "layer", "kind", "ctx"], title="attention check, every forward")
