@@ -24,11 +24,12 @@ params = SamplingParams(max_tokens=24, temperature=0.0)       # greedy: any chan
 # %% [markdown]
 # ## 1. Reproduce: the re-bind after the kernel launch
 # `faults.inject(engine, "stale_binding")` moves `BlockTables.bind()` from before `model.forward` to
-# after it, as the refactor did. The `page_table` probe watches. The whole generation runs inside
-# the with-block: on exit the fault drops the prefix-cache entries it poisoned.
+# after it, as the refactor did. The `page_table` probe watches, and so does the `attention` check
+# (section 2b). The whole generation runs inside the with-block: on exit the fault drops the
+# prefix-cache entries it poisoned.
 
 # %%
-wb = Workbench(engine).attach("page_table")
+wb = Workbench(engine).attach("page_table", "attention")
 with faults.inject(engine, "stale_binding") as fault:
     garbled = engine.generate(prompts, params)
 print(f"{fault.late_binds} forwards ran before their block table was bound\n")
@@ -74,6 +75,24 @@ changed = pd.concat([
 px.scatter(changed, x="step", y=changed["request_id"].astype(int).astype(str), color="event",
            symbol="event", labels={"y": "request"}, height=320,
            title="stale_binding: the kernel reads the previous step's table")
+
+# %% [markdown]
+# ## 2b. The same bug, seen from the math
+# The `attention` probe knows nothing of table versions. Every forward it takes one layer and one
+# request row, recomputes float32 attention of the layer's own q over the K/V stored in that
+# request's own pages, and compares it with what the kernel produced. Here they differ, and of the
+# explanations it tries (a mask off by one, another scale, another KV head, a page left out, the
+# pages the batch's block table names) the last one reproduces the kernel's output exactly.
+#
+# The picture is that finding's row: per query head, the attention weights the model means (over the
+# request's own pages) against the weights that reproduce the kernel's output (over the pages the
+# stale table named). Grey lines are page boundaries: the weights part ways on the pages that moved.
+
+# %%
+math = [f for f in caught if f.kind == "attention-read" and f.evidence.get("explanation") == "block-table"]
+seen = math[0]
+print(f"step {seen.step}, request {seen.request_id}, layer {seen.layer}:\n{seen.message}")
+wb.probe("attention").figure(seen)
 
 # %% [markdown]
 # ## 3. Root cause

@@ -20,7 +20,9 @@ forward. Per check, in this order:
    model's scale (head_dim ** -0.5) and its GQA map (query head h reads KV head h // group);
    our engine's models have no sliding window or soft-cap. When it fails, the check tries the
    nearest explanations: the mask shifted by one, another scale, another KV head for the wrong
-   query heads, one page of the context left out.
+   query heads, one page of the context left out, the pages the batch's block table names in
+   place of the request's own. `figure(finding)` draws the row's attention weights per head,
+   the model's against the ones that reproduce the kernel's output.
 
 Rotation: forward f checks layer f % L and a row of kind KINDS[(f + f // L) % 3] (decode, a
 prefill chunk that reads pages, a whole prompt), falling back to the next kind the batch has;
@@ -30,8 +32,9 @@ every (layer, kind) pair within 3L. Prefill rows: up to `max_rows` query rows (t
 last, evenly between); the write check covers all of the request's rows this step.
 
 Tolerances (max |got - want| / max |want|) are the shadow's "same inputs" ones by the coarsest
-dtype (fp32 1e-4, fp16 5e-3, bf16 3e-2). The first failing comparison gives one error per
-(kind, request, layer), naming the request, layer, heads, query position and page.
+dtype (fp32 1e-4, fp16 5e-3, bf16 3e-2), 10x that for the rope check (ROPE_MARGIN). The first
+failing comparison gives one error per (kind, request, layer), naming the request, layer, heads,
+query position and page.
 """
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ from .shadow import TOLERANCE, _rel_rows, _rms, _rope, stored_kv
 
 KINDS = ("decode", "chunk", "prefill")
 MAX_PAGE_TRIES = 64             # "one page left out" is tried for contexts of at most this many pages
+# The rope check recomputes the layer's projection for a few rows, through another GEMM path than
+# the batch's (the skinny kernel, not oneDNN): its rounding differs by up to ~1.2e-4 of max in fp32
+# on the tests' sharp Llama. A position slip moves q / k by O(1) of max, far above 10x.
+ROPE_MARGIN = 10
+MAX_PICTURES = 32               # attention-weight pictures kept (one per finding key, the first ones)
 
 HINT_WRITE = ("the K/V stored at the request's slots are not the ones the layer handed to the write: check "
               "slot_mapping, the head layout of the store (write_kv / rope_write) and the page list")
@@ -113,6 +121,7 @@ class AttentionCheckProbe(Probe):
         self.max_rows, self._tol, self.max_history = max_rows, tolerance, max_history
         self.forwards = 0
         self.checks = 0
+        self.pictures: dict = {}         # (kind, request, layer) -> the weights figure()'s picture draws
         self._plan = None
         self._q = None
 
@@ -128,6 +137,7 @@ class AttentionCheckProbe(Probe):
     def reset(self) -> None:
         super().reset()
         self.checks = self.forwards = 0
+        self.pictures.clear()
 
     def tolerance(self) -> float:
         if self._tol is not None:
@@ -206,7 +216,8 @@ class AttentionCheckProbe(Probe):
         s, n = seqs[i], ns[i]
         sel = np.unique(np.linspace(0, n - 1, min(n, self.max_rows)).round().astype(int))
         dev = batch.input_ids.device
-        return {"seq": s, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens, "kind": kind,
+        return {"seq": s, "batch": batch, "index": i, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens,
+                "kind": kind,
                 "layer": f % nl, "sel": torch.from_numpy(sel).to(dev),
                 "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
 
@@ -238,8 +249,8 @@ class AttentionCheckProbe(Probe):
             eq = _rel_rows(p["q"], want_q) if p["q"] is not None else torch.zeros(len(sel))
             ek = _rel_rows(k_sel, want_k)
             errs["rope"] = max(float(eq.max()), float(ek.max()))
-            if found is None and errs["rope"] > tol:
-                found = self._report_rope(p, q_raw, k_raw, p["q"], k_sel, eq, ek, tol)
+            if found is None and errs["rope"] > tol * ROPE_MARGIN:
+                found = self._report_rope(p, q_raw, k_raw, p["q"], k_sel, eq, ek, tol * ROPE_MARGIN)
         if p["q"] is not None:
             keys = torch.arange(ctx, device=ks.device)[None, :]
             allowed = keys <= pos[:, None]
@@ -253,7 +264,8 @@ class AttentionCheckProbe(Probe):
         self.checks += 1
         self.rows.append({"step": p["step"], "request_id": seq.request_id, "layer": L, "kind": p["kind"],
                           "ctx": ctx, "rows": len(sel), "err_write": errs["write"], "err_rope": errs.get("rope"),
-                          "err_read": errs.get("read"), "tolerance": tol, "bad": found, "us": dt * 1e6})
+                          "err_read": errs.get("read"), "tolerance": tol,
+                          "tolerance_rope": tol * ROPE_MARGIN, "bad": found, "us": dt * 1e6})
         if len(self.rows) > self.max_history:           # a probe must not become the leak it hunts
             del self.rows[: len(self.rows) // 2]
 
@@ -324,6 +336,9 @@ class AttentionCheckProbe(Probe):
         pos = int(sel[r]) + start
         heads = [int(h) for h in torch.nonzero(_head_err(got, want) > tol).flatten()]
         match = self._explain(p, q, got, kr, vr, pages, heads, tol)
+        key = ("attention-read", p["seq"].request_id, p["layer"])
+        if key not in self.pictures and len(self.pictures) < MAX_PICTURES:
+            self.pictures[key] = self._picture(p, q, kr, vr, pos, r, match[2] if match else None)
         return self._emit(p, "attention-read", pos,
                           f"paged attention output differs from float32 attention over the request's own stored "
                           f"K/V in head(s) {heads} (error {float(err[r]):.3g} x max, tolerance {tol:.1g}, "
@@ -334,24 +349,29 @@ class AttentionCheckProbe(Probe):
                                       **({"explanation": match[0], "matches": match[1]} if match else {})})
 
     def _explain(self, p, q, got, kr, vr, pages, heads, tol):
-        """The nearest explanation of a bad read whose output it reproduces: (kind, words) or None."""
-        cfg = self.engine.model.cfg
+        """The nearest explanation of a bad read whose output it reproduces: (kind, words, the
+        attention's inputs that reproduce it) or None."""
+        cfg, kv = self.engine.model.cfg, self.engine.kv
         hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         scale = hd ** -0.5
         pos = p["sel"] + p["start"]
         ctx = kr.shape[0]
         keys = torch.arange(ctx, device=kr.device)[None, :]
-        same = lambda o: float(_rel_rows(got, o).max()) <= tol
-        for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
-            allowed = keys <= pos[:, None] + d
-            allowed[:, 0] = True
-            if same(_attend(q, kr, vr, allowed, scale)):
-                return "mask", f"a causal mask shifted by {d:+d} ({what})"
         allowed = keys <= pos[:, None]
-        for s, what in ((1.0 / hd, "1/head_dim"), (1.0, "1"), (hd ** -0.25, "head_dim^-1/4"),
-                        (2 * scale, "twice the model's"), (scale / 2, "half the model's")):
-            if same(_attend(q, kr, vr, allowed, s)):
-                return "scale", f"the scale {what} ({s:.4g}; the model's is head_dim^-1/2 = {scale:.4g})"
+
+        def same(allowed_=allowed, scale_=scale, kv_head=None, k=kr, v=vr):
+            return float(_rel_rows(got, _attend(q, k, v, allowed_, scale_, kv_head)).max()) <= tol
+
+        for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
+            shifted = keys <= pos[:, None] + d
+            shifted[:, 0] = True
+            if same(shifted):
+                return "mask", f"a causal mask shifted by {d:+d} ({what})", {"allowed": shifted}
+        for s_, what in ((1.0 / hd, "1/head_dim"), (1.0, "1"), (hd ** -0.25, "head_dim^-1/4"),
+                         (2 * scale, "twice the model's"), (scale / 2, "half the model's")):
+            if same(scale_=s_):
+                return "scale", f"the scale {what} ({s_:.4g}; the model's is head_dim^-1/2 = {scale:.4g})", \
+                    {"scale": s_}
         if heads and hkv > 1:                           # which KV head does each wrong query head read?
             default = torch.arange(hq, device=q.device) // (hq // hkv)
             read = {}
@@ -364,16 +384,84 @@ class AttentionCheckProbe(Probe):
                         read[h] = j
                         break
             if read and len(read) == len(heads) and any(j != int(default[h]) for h, j in read.items()):
+                kvh = default.clone()
+                for h, j in read.items():
+                    kvh[h] = j
                 return "kv-head-map", ("another GQA map: query head -> KV head read " +
-                                       ", ".join(f"{h}->{j} (want {int(default[h])})" for h, j in read.items()))
-        ps = self.engine.kv.page_size
+                                       ", ".join(f"{h}->{j} (want {int(default[h])})" for h, j in read.items())), \
+                    {"kv_head": kvh}
+        ps = kv.page_size
         npg = -(-ctx // ps)
-        if 1 < npg <= MAX_PAGE_TRIES:
+        if p["start"] and 1 < npg <= MAX_PAGE_TRIES:
             for i in range(npg):
                 skip = allowed & ~((keys >= i * ps) & (keys < (i + 1) * ps))
-                if bool(skip.any(-1).all()) and same(_attend(q, kr, vr, skip, scale)):
-                    return "page-skipped", f"attention with page index {i} (page {int(pages[i])}) left out"
+                if bool(skip.any(-1).all()) and same(skip):
+                    return "page-skipped", f"attention with page index {i} (page {int(pages[i])}) left out", \
+                        {"allowed": skip}
+        bt = p["batch"].block_tables
+        if p["start"] and bt is not None and p["index"] < bt.shape[0] and bt.shape[1] >= npg:
+            row = bt[p["index"], :npg].to(pages.device).long()      # the pages the kernel was pointed at
+            if not torch.equal(row, pages) and bool(((row >= 0) & (row < kv.k[0].shape[0])).all()):
+                L = p["layer"]
+                kb, vb = self._stored(kv.k[L], row, ctx), self._stored(kv.v[L], row, ctx)
+                if same(k=kb, v=vb):
+                    diff = [(i, int(row[i]), int(pages[i])) for i in range(npg) if int(row[i]) != int(pages[i])]
+                    return "block-table", ("attention over the pages the batch's block table names instead of the "
+                                           "request's own (" + ", ".join(f"index {i}: page {a}, not {b}"
+                                                                        for i, a, b in diff[:4]) + ")"), \
+                        {"k": kb, "v": vb}
         return None
+
+    def _picture(self, p, q, kr, vr, pos: int, r: int, explained: dict | None) -> dict:
+        """Row r's attention weights per query head over the context: the model's (want) and, where an
+        explanation reproduced the output, what the kernel attended with (got)."""
+        hd = self.engine.model.cfg.head_dim
+        ctx = kr.shape[0]
+        keys = torch.arange(ctx, device=kr.device)
+
+        def weights(allowed, scale, kv_head, k):
+            hq, hkv = q.shape[1], k.shape[1]
+            kvh = kv_head if kv_head is not None else torch.arange(hq, device=q.device) // (hq // hkv)
+            s = torch.einsum("hd,chd->hc", q[r], k.index_select(1, kvh)) * scale
+            return torch.softmax(s.masked_fill(~allowed[None], -math.inf), dim=-1)
+
+        want = weights(keys <= pos, hd ** -0.5, None, kr)
+        got = None
+        if explained is not None:
+            e = explained
+            got = weights(e["allowed"][r] if "allowed" in e else keys <= pos, e.get("scale", hd ** -0.5),
+                          e.get("kv_head"), e.get("k", kr))
+        return {"position": pos, "page_size": self.engine.kv.page_size, "want": want.cpu().numpy(),
+                "got": None if got is None else got.cpu().numpy()}
+
+    def figure(self, finding):
+        """The picture of one of this probe's `attention-read` findings: per query head, the attention
+        weights over the context the model means (float32 over the request's own pages) and, when an
+        explanation reproduced the kernel's output, the weights the kernel attended with."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+        pic = self.pictures.get((finding.kind, finding.request_id, finding.layer))
+        if pic is None:
+            raise KeyError(f"no picture for this finding ({finding.kind}, request {finding.request_id}, layer "
+                           f"{finding.layer}): pictures are kept for this probe's attention-read findings")
+        heads = finding.evidence.get("heads") or list(range(pic["want"].shape[0]))
+        heads = heads[:6]
+        fig = make_subplots(rows=len(heads), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                            subplot_titles=[f"query head {h}" for h in heads])
+        x = np.arange(pic["want"].shape[1])
+        for i, h in enumerate(heads, start=1):
+            fig.add_scatter(x=x, y=pic["want"][h], name="want: the model's attention", row=i, col=1,
+                            line=dict(color="#2a9d8f"), showlegend=i == 1)
+            if pic["got"] is not None:
+                fig.add_scatter(x=x, y=pic["got"][h], name="got: what reproduces the kernel's output", row=i,
+                                col=1, line=dict(color="#e76f51", dash="dot"), showlegend=i == 1)
+            for b in range(pic["page_size"], len(x), pic["page_size"]):
+                fig.add_vline(x=b - 0.5, line=dict(color="#ddd", width=1), row=i, col=1)
+        fig.update_xaxes(title_text=f"key position (query at {pic['position']}; grey: page boundaries)",
+                         row=len(heads), col=1)
+        fig.update_layout(height=170 * len(heads) + 120, title=f"request {finding.request_id}, layer "
+                          f"{finding.layer}: attention weights, want vs got", legend=dict(orientation="h"))
+        return fig
 
     # ---- views -------------------------------------------------------------------------------
     def widget(self):
