@@ -107,10 +107,10 @@ def test_chat_template_matches_transformers(ours, hf_tokenizer):
 
 def test_a_gguf_tokenizer_is_kept_on_disk_and_read_back_the_same(gguf_path, hf_tokenizer, tmp_path, monkeypatch):
     from workbench.engine import tokenizer as tokenizer_module
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGEDKV_MODEL_CACHE", str(tmp_path))
     monkeypatch.setattr(tokenizer_module, "_LOADED", {})             # as a new process finds it
     entry = tokenizer_module.gguf_cache_entry(gguf_path)
-    assert entry.parent == tmp_path / "tokenizers" and not entry.exists()
+    assert entry.parent == tmp_path and not entry.exists()
     built = Tokenizer(gguf_path)
     built.encode("x")
     assert (entry / "tokenizer.json").is_file()                      # rebuilt once, then written
@@ -134,6 +134,35 @@ def test_a_gguf_tokenizer_is_kept_on_disk_and_read_back_the_same(gguf_path, hf_t
     again = Tokenizer(gguf_path)
     assert again.encode(TEXTS[0]) == hf_tokenizer(TEXTS[0])["input_ids"]
     assert calls[-1][1].get("gguf_file") == gguf_path.name and (entry / "tokenizer.json").stat().st_size > 1000
+
+
+def test_a_decoded_gguf_is_kept_on_disk_and_read_back_bit_for_bit(gguf_path, tmp_path, monkeypatch):
+    from workbench.engine import weights
+    monkeypatch.setenv("PAGEDKV_MODEL_CACHE", str(tmp_path))
+    entry = weights.gguf_cache_entry(gguf_path)
+    assert entry.parent == tmp_path and not entry.exists()
+    decoded = load_model(gguf_path)                                  # decodes, then writes the entry
+    assert (entry / "model.json").is_file() and "read_from" not in decoded.meta
+    decodes = []
+    real = weights._load_gguf
+    monkeypatch.setattr(weights, "_load_gguf", lambda *a: decodes.append(a) or real(*a))
+    read = load_model(gguf_path)
+    assert decodes == [] and read.meta["read_from"] == str(entry)
+    assert read.config == decoded.config and set(read.state_dict) == set(decoded.state_dict)
+    assert all(torch.equal(read.state_dict[k], v) for k, v in decoded.state_dict.items())
+    assert set(read.quantized) == set(decoded.quantized) and all(
+        q.qtype == decoded.quantized[k].qtype and np.array_equal(q.blocks, decoded.quantized[k].blocks)
+        for k, q in read.quantized.items())
+    assert load_model(gguf_path, torch.bfloat16).state_dict["model.norm.weight"].dtype == torch.bfloat16
+    read.state_dict["model.norm.weight"].mul_(0)                     # a fault seam writing a weight in place
+    assert torch.equal(load_model(gguf_path).state_dict["model.norm.weight"], decoded.state_dict["model.norm.weight"])
+    # a damaged entry is decoded again; PAGEDKV_MODEL_CACHE=0 never reads one
+    (entry / "tensors.safetensors").write_bytes(b"not safetensors")
+    again = load_model(gguf_path)
+    embed = "model.embed_tokens.weight"
+    assert len(decodes) == 1 and torch.equal(again.state_dict[embed], decoded.state_dict[embed])
+    monkeypatch.setenv("PAGEDKV_MODEL_CACHE", "0")
+    assert "read_from" not in load_model(gguf_path).meta and len(decodes) == 2
 
 
 # ---------------------------------------------------------------- HF directory

@@ -60,7 +60,10 @@ TABLE: tuple[Var, ...] = (
     Var("PAGEDKV_EXTENSIONS_DIR", None, None,
         "the native builds' cache (default ~/.cache/pagedkv-workbench/torch_extensions)"),
     Var("PAGEDKV_CACHE_DIR", None, None,
-        "the workbench's cache: measured peak figures, tokenizers rebuilt from GGUF (default ~/.cache/pagedkv-workbench)"),
+        "the measured peak figures' cache (default ~/.cache/pagedkv-workbench)"),
+    Var("PAGEDKV_MODEL_CACHE", None, None,
+        "where decoded GGUF models and their tokenizers are kept (default ~/.cache/pagedkv-workbench/models); "
+        "0: decode the GGUF every time"),
     Var("PAGEDKV_CPU_FEATURES", None, None,
         "fakes this CPU's feature flags for the loader, the oneDNN and bf16 decisions (tests: avx2,fma; "
         "none: no compiled kernel at all)"),

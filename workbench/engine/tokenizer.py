@@ -5,7 +5,7 @@ Loading is lazy (on first use): importing transformers and rebuilding the BPE
 tokenizer from GGUF metadata costs several seconds, and benchmarks that feed
 random token ids never need it. A GGUF's tokenizer, once rebuilt, is kept on
 disk as the JSON files transformers itself writes (tokenizer.json and its
-config; no pickle) under the workbench's cache, keyed by the file and the
+config; no pickle) under PAGEDKV_MODEL_CACHE, keyed by the file and the
 transformers version: a new process (a notebook, a test, `kvwb`) reads it back
 in ~0.25 s instead of rebuilding it in ~4 s.
 """
@@ -93,19 +93,25 @@ class Tokenizer:
         return f"Tokenizer({str(self.path)!r}, {state})"
 
 
-def gguf_cache_entry(path: Path) -> Path:
+def gguf_cache_entry(path: Path) -> Path | None:
     """Where the tokenizer rebuilt from this GGUF is kept: one entry per file (path, size,
-    mtime) and transformers version, so a changed file or library never reads a stale one."""
+    mtime) and transformers version, so a changed file or library never reads a stale one;
+    None with PAGEDKV_MODEL_CACHE=0."""
     from transformers import __version__
-    from .peaks import cache_dir
+    from .peaks import model_cache_dir
+    root = model_cache_dir()
+    if root is None:
+        return None
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{__version__}".encode()).hexdigest()[:16]
-    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+    return root / f"{path.stem}-tokenizer-{key}"
 
 
 def _from_gguf(path: Path) -> Any:
     from transformers import AutoTokenizer
     entry = gguf_cache_entry(path)
+    if entry is None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if (entry / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(entry))
