@@ -29,7 +29,8 @@ prefill chunk that reads pages, a whole prompt), falling back to the next kind t
 within a kind, alternately the row with the longest context and the next in turn. So every
 layer is checked every L forwards, every kind within 3 forwards of its being in the batch, and
 every (layer, kind) pair within 3L. Prefill rows: up to `max_rows` query rows (the first, the
-last, evenly between); the write check covers all of the request's rows this step.
+last, evenly between, the ones between shifting from check to check); the write check covers all
+of the request's rows this step.
 
 Tolerances (max |got - want| / max |want|) are the shadow's "same inputs" ones by the coarsest
 dtype (fp32 1e-4, fp16 5e-3, bf16 3e-2), 10x that for the rope check (ROPE_MARGIN). The first
@@ -214,12 +215,23 @@ class AttentionCheckProbe(Probe):
         else:
             i = cand[(f // 6) % len(cand)]
         s, n = seqs[i], ns[i]
-        sel = np.unique(np.linspace(0, n - 1, min(n, self.max_rows)).round().astype(int))
+        sel = self._rows(n, f)
         dev = batch.input_ids.device
         return {"seq": s, "batch": batch, "index": i, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens,
                 "kind": kind,
                 "layer": f % nl, "sel": torch.from_numpy(sel).to(dev),
                 "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
+
+    def _rows(self, n: int, f: int) -> np.ndarray:
+        """The query rows of an n-row chunk to check: all of them when few; else the first, the last and
+        max_rows - 2 evenly between, shifted by the forward's phase so that a bug at one row offset
+        (a page boundary inside the chunk, say) is met within n / max_rows checks of such chunks."""
+        if n <= self.max_rows:
+            return np.arange(n)
+        k = self.max_rows - 2
+        step = -(-(n - 2) // k)                     # k rows `step` apart, at phase f % step: every
+        inner = 1 + (np.arange(k) * step + f % step) % (n - 2)   # inner row within `step` checks
+        return np.unique(np.concatenate([[0], inner, [n - 1]]))
 
     # ---- the check -------------------------------------------------------------------------
     @torch.no_grad()

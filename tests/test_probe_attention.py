@@ -259,3 +259,16 @@ def test_a_stale_block_table_is_explained_and_pictured(smollm2_path):
     assert abs(sum(want) - 1) < 1e-4 and abs(sum(got) - 1) < 1e-4 and max(abs(a - b) for a, b in zip(want, got)) > 1e-3
     with pytest.raises(KeyError, match="no picture"):
         probe.figure(dataclasses.replace(f, layer=-1))
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 37, 64, 100, 2048])
+def test_the_rows_of_a_chunk_rotate_so_every_row_is_checked(n):
+    from probes.attention_check import AttentionCheckProbe
+    probe = AttentionCheckProbe(max_rows=8)
+    step = max(1, -(-(n - 2) // 6))
+    seen = set()
+    for f in range(step):                       # that many checks of an n-row chunk meet every row
+        rows = probe._rows(n, f)
+        assert len(rows) <= 8 and rows[0] == 0 and rows[-1] == n - 1 and (rows < n).all()
+        seen |= set(rows.tolist())
+    assert seen == set(range(n))
