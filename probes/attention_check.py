@@ -50,7 +50,7 @@ from workbench.engine import instrumentation
 from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
-from .shadow import TOLERANCE, _rel_rows, _rms, _rope, stored_kv
+from .shadow import TOLERANCE, _rel_rows, _rms, _rope, checkable, scheduled_rows, stored_kv
 
 KINDS = ("decode", "chunk", "prefill")
 MAX_PAGE_TRIES = 64             # "one page left out" is tried for contexts of at most this many pages
@@ -88,10 +88,15 @@ def _attend(q, k, v, allowed, scale, kv_head=None) -> torch.Tensor:
         s = s.masked_fill(~allowed.repeat(g, 1)[None], -math.inf)
         o = torch.bmm(torch.softmax(s, dim=-1), v.transpose(0, 1))           # [Hkv, G*r, D]
         return o.reshape(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, hq, d)
-    kh, vh = k.index_select(1, kv_head), v.index_select(1, kv_head)          # [ctx, Hq, D]
-    s = torch.bmm(q.transpose(0, 1), kh.permute(1, 2, 0)) * scale           # [Hq, r, ctx]
-    s = s.masked_fill(~allowed[None], -math.inf)
-    return torch.bmm(torch.softmax(s, dim=-1), vh.transpose(0, 1)).transpose(0, 1)
+    return torch.bmm(_weights(q, k, allowed, scale, kv_head), v.index_select(1, kv_head).transpose(0, 1)) \
+        .transpose(0, 1)
+
+
+def _weights(q, k, allowed, scale, kv_head) -> torch.Tensor:
+    """The attention weights of q [r, Hq, D] over k [ctx, Hkv, D], query head h reading KV head
+    kv_head[h], under allowed [r, ctx] -> [Hq, r, ctx]."""
+    s = torch.bmm(q.transpose(0, 1), k.index_select(1, kv_head).permute(1, 2, 0)) * scale
+    return torch.softmax(s.masked_fill(~allowed[None], -math.inf), dim=-1)
 
 
 def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -184,22 +189,12 @@ class AttentionCheckProbe(Probe):
         if getattr(self.engine, "parallel", None) is not None:
             return None          # tensor parallel: each rank holds a share of the heads (rank_consistency's domain)
         seqs = batch.seqs
-        rec = self.engine.step_record
-        sched = rec.schedule.scheduled if rec is not None and rec.batch is batch and rec.schedule else []
-        if len(sched) == len(seqs) and all(s is t for (s, _), t in zip(sched, seqs)):
-            ns = [int(n) for _, n in sched]                 # the scheduler's decision, not cu_seqlens
-        else:
-            ns = np.diff(batch.cu_seqlens_q_np).astype(int).tolist()
-        starts = np.concatenate([[0], np.cumsum(ns)]).astype(int)
+        ns, starts = scheduled_rows(self.engine, batch)
         ps, npages = batch.page_size, self.engine.kv.k[0].shape[0]
         by_kind: dict[str, list] = {k: [] for k in KINDS}
         for i, (s, n) in enumerate(zip(seqs, ns)):
-            ctx = s.num_computed_tokens + n
-            need = -(-ctx // ps)
-            if (n < 1 or ctx > len(s.token_ids) or len(s.pages) < need
-                    or not all(0 <= pg < npages for pg in s.pages[:need])):     # page_table's job
-                continue
-            by_kind["decode" if n == 1 else "chunk" if ctx > n else "prefill"].append(i)
+            if checkable(s, n, ps, npages):
+                by_kind["decode" if n == 1 else "chunk" if s.num_computed_tokens else "prefill"].append(i)
         nl = self.engine.model_config.num_layers
         f = self.forwards - 1 + self._offset
         want = (f + f // nl) % 3
@@ -427,22 +422,16 @@ class AttentionCheckProbe(Probe):
     def _picture(self, p, q, kr, vr, pos: int, r: int, explained: dict | None) -> dict:
         """Row r's attention weights per query head over the context: the model's (want) and, where an
         explanation reproduced the output, what the kernel attended with (got)."""
-        hd = self.engine.model.cfg.head_dim
-        ctx = kr.shape[0]
-        keys = torch.arange(ctx, device=kr.device)
-
-        def weights(allowed, scale, kv_head, k):
-            hq, hkv = q.shape[1], k.shape[1]
-            kvh = kv_head if kv_head is not None else torch.arange(hq, device=q.device) // (hq // hkv)
-            s = torch.einsum("hd,chd->hc", q[r], k.index_select(1, kvh)) * scale
-            return torch.softmax(s.masked_fill(~allowed[None], -math.inf), dim=-1)
-
-        want = weights(keys <= pos, hd ** -0.5, None, kr)
+        hd, hq, hkv = self.engine.model.cfg.head_dim, q.shape[1], kr.shape[1]
+        causal = (torch.arange(kr.shape[0], device=kr.device) <= pos)[None]
+        gqa = torch.arange(hq, device=q.device) // (hq // hkv)
+        weights = lambda allowed, scale, kv_head, k: _weights(q[r:r + 1], k, allowed, scale, kv_head)[:, 0]  # noqa: E731
+        want = weights(causal, hd ** -0.5, gqa, kr)
         got = None
         if explained is not None:
             e = explained
-            got = weights(e["allowed"][r] if "allowed" in e else keys <= pos, e.get("scale", hd ** -0.5),
-                          e.get("kv_head"), e.get("k", kr))
+            got = weights(e["allowed"][r:r + 1] if "allowed" in e else causal, e.get("scale", hd ** -0.5),
+                          e.get("kv_head", gqa), e.get("k", kr))
         return {"position": pos, "page_size": self.engine.kv.page_size, "want": want.cpu().numpy(),
                 "got": None if got is None else got.cpu().numpy()}
 

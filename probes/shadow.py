@@ -96,6 +96,29 @@ def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(err, nan=math.inf)
 
 
+def scheduled_rows(engine, batch) -> tuple[list[int], np.ndarray]:
+    """Each sequence's query rows this forward and where they start in the packed batch: the
+    scheduler's decision (the step record), not cu_seqlens, which is what a packing bug corrupts;
+    cu_seqlens only for a forward the scheduler did not plan."""
+    seqs = batch.seqs
+    rec = engine.step_record
+    sched = rec.schedule.scheduled if rec is not None and rec.batch is batch and rec.schedule else []
+    if len(sched) == len(seqs) and all(s is t for (s, _), t in zip(sched, seqs)):
+        ns = [int(n) for _, n in sched]
+    else:
+        ns = np.diff(batch.cu_seqlens_q_np).astype(int).tolist()
+    return ns, np.concatenate([[0], np.cumsum(ns)]).astype(int)
+
+
+def checkable(seq, n: int, page_size: int, num_pages: int, budget: int | None = None) -> bool:
+    """A sequence whose n rows this forward a dense check can read: rows to check, a context its
+    tokens and page list cover, page ids inside the pool (a bad page list is page_table's to report)."""
+    ctx = seq.num_computed_tokens + n
+    need = -(-ctx // page_size)
+    return not (n < 1 or (budget is not None and ctx > budget) or ctx > len(seq.token_ids)
+                or len(seq.pages) < need or not all(0 <= pg < num_pages for pg in seq.pages[:need]))
+
+
 def stored_kv(cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:
     """K or V of positions [0, ctx) as stored in those pages (a sequence's own page list), [ctx, Hkv, D] float32."""
     data = cache.index_select(0, pages)
@@ -207,13 +230,7 @@ class ShadowProbe(Probe):
     # ---- which sequence, which layer -----------------------------------------------------
     def _pick(self, batch):
         seqs = batch.seqs
-        rec = self.engine.step_record
-        sched = rec.schedule.scheduled if rec is not None and rec.batch is batch and rec.schedule else []
-        if len(sched) == len(seqs) and all(s is t for (s, _), t in zip(sched, seqs)):
-            ns = [int(n) for _, n in sched]                 # the scheduler's decision, not cu_seqlens
-        else:                                               # a forward the scheduler did not plan
-            ns = np.diff(batch.cu_seqlens_q_np).astype(int).tolist()
-        rows = np.concatenate([[0], np.cumsum(ns)]).astype(int)
+        ns, rows = scheduled_rows(self.engine, batch)
         ps, npages = batch.page_size, self.engine.kv.k[0].shape[0]
         want_rid, want_layer = self._force or (None, None)
         fits, reads = [], []
@@ -221,9 +238,7 @@ class ShadowProbe(Probe):
             i = (self._cursor + j) % len(seqs)
             s, n = seqs[i], ns[i]
             ctx = s.num_computed_tokens + n
-            need = -(-ctx // ps)
-            if (n < 1 or ctx > self.budget or ctx > len(s.token_ids) or len(s.pages) < need
-                    or not all(0 <= pg < npages for pg in s.pages[:need])):   # page_table's job
+            if not checkable(s, n, ps, npages, self.budget):
                 continue
             if want_rid is not None and s.request_id == want_rid:
                 fits, reads = [i], [i]
