@@ -439,7 +439,6 @@ class AttentionCheckProbe(Probe):
         """The picture of one of this probe's `attention-read` findings: per query head, the attention
         weights over the context the model means (float32 over the request's own pages) and, when an
         explanation reproduced the kernel's output, the weights the kernel attended with."""
-        import plotly.graph_objects as go
         from plotly.subplots import make_subplots
         pic = self.pictures.get((finding.kind, finding.request_id, finding.layer))
         if pic is None:

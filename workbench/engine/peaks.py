@@ -129,18 +129,6 @@ def cache_dir() -> Path:
     return Path(base) / "pagedkv-workbench"
 
 
-def model_cache_dir() -> Path | None:
-    """Where decoded GGUF models and their tokenizers are kept (weights.py, tokenizer.py): keyed by
-    their files' contents' identity, so shared by every cache_dir(); None: PAGEDKV_MODEL_CACHE=0."""
-    moved = env.value("PAGEDKV_MODEL_CACHE")
-    if moved == "0":
-        return None
-    if moved and moved != "1":
-        return Path(moved).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedkv-workbench" / "models"
-
-
 def machine_key(device: DeviceLike = "auto") -> str:
     """What identifies "this machine" for cached figures: hostname, device and its name,
     torch version and thread count (the key of peaks.json; baselines are kept under it too)."""

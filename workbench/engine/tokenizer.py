@@ -12,12 +12,11 @@ in ~0.25 s instead of rebuilding it in ~4 s.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
+
+from . import model_cache
 
 
 _LOADED: dict = {}                 # (path, mtime) -> transformers tokenizer, shared in-process
@@ -94,34 +93,18 @@ class Tokenizer:
 
 
 def gguf_cache_entry(path: Path) -> Path | None:
-    """Where the tokenizer rebuilt from this GGUF is kept: one entry per file (path, size,
-    mtime) and transformers version, so a changed file or library never reads a stale one;
-    None with PAGEDKV_MODEL_CACHE=0."""
+    """Where the tokenizer rebuilt from this GGUF is kept (model_cache.py): per file and
+    transformers version; None with PAGEDKV_MODEL_CACHE=0."""
     from transformers import __version__
-    from .peaks import model_cache_dir
-    root = model_cache_dir()
-    if root is None:
-        return None
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{__version__}".encode()).hexdigest()[:16]
-    return root / f"{path.stem}-tokenizer-{key}"
+    return model_cache.entry(path, "tokenizer", f"transformers {__version__}")
 
 
 def _from_gguf(path: Path) -> Any:
     from transformers import AutoTokenizer
-    entry = gguf_cache_entry(path)
-    if entry is None:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if (entry / "tokenizer.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(entry))
-        except Exception:      # noqa: BLE001 - an unreadable entry (a cut-off write, a library change): rebuilt
-            shutil.rmtree(entry, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    try:                       # written aside and renamed: a reader never sees half an entry
-        tok.save_pretrained(str(tmp))
-        os.rename(tmp, entry)
-    except OSError:            # a read-only or full cache, or another process was first: the rebuilt one serves
-        shutil.rmtree(tmp, ignore_errors=True)
+    at = gguf_cache_entry(path)
+    tok = None if at is None else model_cache.read(at, "tokenizer.json", lambda d: AutoTokenizer.from_pretrained(str(d)))
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if at is not None:
+            model_cache.write(at, lambda d: tok.save_pretrained(str(d)))
     return tok

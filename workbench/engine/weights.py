@@ -15,12 +15,9 @@ PAGEDKV_MODEL_CACHE=0 always decodes the GGUF.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
-import os
 import re
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -32,6 +29,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from workbench.engine import model_cache
 from workbench.engine.model_config import ModelConfig
 from workbench.engine.quant_layout import QuantBlocks
 from workbench.engine.tokenizer import Tokenizer
@@ -310,47 +308,33 @@ _CACHE_FORMAT = 1        # bump when _load_gguf's output changes: old entries ar
 
 
 def gguf_cache_entry(path: Path) -> Path | None:
-    """Where the decoded GGUF is kept: one entry per file (path, size, mtime) and cache format;
-    None with PAGEDKV_MODEL_CACHE=0."""
-    from .peaks import model_cache_dir
-    root = model_cache_dir()
-    if root is None:
-        return None
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT}|gguf {importlib.metadata.version('gguf')}"
-    return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    """Where the decoded GGUF is kept (model_cache.py): per file, this loader's format and the gguf
+    library's version; None with PAGEDKV_MODEL_CACHE=0."""
+    return model_cache.entry(path, "decoded", f"format {_CACHE_FORMAT}|gguf {importlib.metadata.version('gguf')}")
 
 
 def _load_gguf_cached(path: Path, dtype: torch.dtype) -> LoadedModel:
-    entry = gguf_cache_entry(path)
-    if entry is None:
+    at = gguf_cache_entry(path)
+    if at is None:
         return _load_gguf(path, dtype)
-    if (entry / "model.json").is_file():
-        try:
-            return _read_entry(entry, path, dtype)
-        except Exception:      # noqa: BLE001 - a cut-off or foreign entry: decoded again below
-            shutil.rmtree(entry, ignore_errors=True)
+    loaded = model_cache.read(at, "model.json", lambda d: _read_entry(d, path, dtype))
+    if loaded is not None:
+        return loaded
     loaded = _load_gguf(path, torch.float32)
-    _write_entry(entry, loaded)
+    model_cache.write(at, lambda d: _write_entry(d, loaded))
     if dtype != torch.float32:
         loaded.state_dict = {k: v.to(dtype) for k, v in loaded.state_dict.items()}
     return loaded
 
 
-def _write_entry(entry: Path, loaded: LoadedModel) -> None:
+def _write_entry(d: Path, loaded: LoadedModel) -> None:
     from safetensors.torch import save_file
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    try:                       # written aside and renamed: a reader never sees half an entry
-        tmp.mkdir(parents=True, exist_ok=True)
-        tensors = {f"sd/{k}": v.contiguous() for k, v in loaded.state_dict.items()}
-        tensors |= {f"q/{k}": torch.from_numpy(np.ascontiguousarray(q.blocks)) for k, q in loaded.quantized.items()}
-        save_file(tensors, str(tmp / "tensors.safetensors"))
-        (tmp / "model.json").write_text(json.dumps({
-            "config": {k: getattr(loaded.config, k) for k in loaded.config.__dataclass_fields__},
-            "meta": loaded.meta, "qtypes": {k: q.qtype for k, q in loaded.quantized.items()}}))
-        os.rename(tmp, entry)
-    except (OSError, TypeError, ValueError):   # a full or read-only cache, metadata JSON cannot hold, a race
-        shutil.rmtree(tmp, ignore_errors=True)
+    tensors = {f"sd/{k}": v.contiguous() for k, v in loaded.state_dict.items()}
+    tensors |= {f"q/{k}": torch.from_numpy(np.ascontiguousarray(q.blocks)) for k, q in loaded.quantized.items()}
+    save_file(tensors, str(d / "tensors.safetensors"))
+    (d / "model.json").write_text(json.dumps({                # last: its presence marks the entry whole
+        "config": {k: getattr(loaded.config, k) for k in loaded.config.__dataclass_fields__},
+        "meta": loaded.meta, "qtypes": {k: q.qtype for k, q in loaded.quantized.items()}}))
 
 
 def _read_entry(entry: Path, path: Path, dtype: torch.dtype) -> LoadedModel:
