@@ -191,3 +191,25 @@ def test_an_exception_in_a_step_freezes_a_bundle_and_still_raises(sharp_llama_di
     rec = open_recording(bundle)
     (failed,) = [f for n, f in rec.events if n == "StepFailed"]
     assert "scheduler stalled" in failed["error"] and len(rec.requests) == 1
+
+
+def test_a_bundle_appears_only_once_whole(tmp_path, monkeypatch):
+    # whoever polls bundles/ (an operator, a tool waiting for the SIGUSR1 dump) must never find a
+    # bundle whose segments are still being copied
+    from workbench.recorder import bundle
+    for i in (1, 2):
+        (tmp_path / f"seg-{i:06d}.jsonl").write_text('{"k": "header"}\n' * 50)
+    seen_while_copying = []
+    real = bundle.shutil.copy2
+
+    def copy2(src, dst):
+        seen_while_copying.append(sorted(p.name for p in (tmp_path / "bundles").iterdir()))
+        return real(src, dst)
+
+    monkeypatch.setattr(bundle.shutil, "copy2", copy2)
+    out = bundle.freeze_dir(tmp_path, "SIGUSR1")
+    assert len(seen_while_copying) == 2
+    assert all(len(names) == 1 and names[0].startswith(".partial-") and not names[0].endswith("-SIGUSR1")
+               for names in seen_while_copying), seen_while_copying
+    assert [p.name for p in (tmp_path / "bundles").iterdir()] == [out.name] and out.name.endswith("-SIGUSR1")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "seg-000001.jsonl", "seg-000002.jsonl"]

@@ -35,12 +35,16 @@ def freeze_dir(root, reason: str, header: dict | None = None, lock: bool = False
         raise FileNotFoundError(f"{root}: not a recording (no {SEGMENT_PREFIX}*.jsonl segments)")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", reason)[:60] or "dump"
     out = root / BUNDLES / f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}-{safe}"
-    out.mkdir(parents=True)
+    # Copied into a hidden directory and renamed once whole: whoever watches bundles/ (an operator,
+    # a test, a tool polling for the SIGUSR1 dump) never opens a bundle whose segments are half there.
+    part = out.with_name(f".partial-{out.name}.tmp")
+    part.mkdir(parents=True)
     copied = []
     for p in segs:
         with contextlib.suppress(FileNotFoundError):     # the ring dropped it meanwhile (a live writer)
-            shutil.copy2(p, out / p.name)
+            shutil.copy2(p, part / p.name)
             copied.append(p.name)
-    (out / "manifest.json").write_text(json.dumps({"reason": reason, "frozen": time.time(), "segments": copied,
-                                                   "header": header}, indent=1, default=str))
+    (part / "manifest.json").write_text(json.dumps({"reason": reason, "frozen": time.time(), "segments": copied,
+                                                    "header": header}, indent=1, default=str))
+    part.rename(out)
     return out
