@@ -39,7 +39,6 @@ query position and page.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -50,10 +49,13 @@ from workbench.engine import instrumentation
 from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
+from .attention_math import attend as _attend
+from .attention_math import explain_read, gqa_map, sample_rows
+from .attention_math import head_err as _head_err
+from .attention_math import weights as _weights
 from .shadow import TOLERANCE, _rel_rows, _rms, _rope, checkable, scheduled_rows, stored_kv
 
 KINDS = ("decode", "chunk", "prefill")
-MAX_PAGE_TRIES = 64             # "one page left out" is tried for contexts of at most this many pages
 # The rope check recomputes the layer's projection for a few rows, through another GEMM path than
 # the batch's (the skinny kernel, not oneDNN): its rounding differs by up to ~1.2e-4 of max in fp32
 # on the tests' sharp Llama. A position slip moves q / k by O(1) of max, far above 10x.
@@ -76,41 +78,12 @@ class _Tap(ModelTap):
         self.on_q, self.on_kv, self.on_attention_out, self.on_hidden = on_q, on_kv, on_out, on_hidden
 
 
-def _attend(q, k, v, allowed, scale, kv_head=None) -> torch.Tensor:
-    """q [r, Hq, D] over k, v [ctx, Hkv, D] (float32); allowed [r, ctx]; kv_head [Hq]: the KV head
-    each query head reads (default: the GQA map h // group, as batched matmuls per KV head) -> [r, Hq, D]."""
-    r, hq, d = q.shape
-    hkv = k.shape[1]
-    if kv_head is None:                         # the G query heads of a KV head ride on the row axis
-        g = hq // hkv
-        qg = q.reshape(r, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * r, d)
-        s = torch.bmm(qg, k.permute(1, 2, 0)) * scale                         # [Hkv, G*r, ctx]
-        s = s.masked_fill(~allowed.repeat(g, 1)[None], -math.inf)
-        o = torch.bmm(torch.softmax(s, dim=-1), v.transpose(0, 1))           # [Hkv, G*r, D]
-        return o.reshape(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, hq, d)
-    return torch.bmm(_weights(q, k, allowed, scale, kv_head), v.index_select(1, kv_head).transpose(0, 1)) \
-        .transpose(0, 1)
-
-
-def _weights(q, k, allowed, scale, kv_head) -> torch.Tensor:
-    """The attention weights of q [r, Hq, D] over k [ctx, Hkv, D], query head h reading KV head
-    kv_head[h], under allowed [r, ctx] -> [Hq, r, ctx]."""
-    s = torch.bmm(q.transpose(0, 1), k.index_select(1, kv_head).permute(1, 2, 0)) * scale
-    return torch.softmax(s.masked_fill(~allowed[None], -math.inf), dim=-1)
-
-
 def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """x [r, H, D] rotated at positions pos [r] (the rotate-half convention of model.apply_rope)."""
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
     emb = torch.cat([pos.float()[:, None] * inv[None]] * 2, dim=-1)[:, None, :]
     return _rope(x, emb.cos(), emb.sin())
-
-
-def _head_err(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Per head, max |got - want| relative to max |want|: [H]."""
-    return torch.nan_to_num((got.float() - want).abs().amax(dim=(0, 2)) / want.abs().amax().clamp_min(1e-30),
-                            nan=math.inf)
 
 
 class AttentionCheckProbe(Probe):
@@ -218,15 +191,9 @@ class AttentionCheckProbe(Probe):
                 "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
 
     def _rows(self, n: int, f: int) -> np.ndarray:
-        """The query rows of an n-row chunk to check: all of them when few; else the first, the last and
-        max_rows - 2 evenly between, shifted by the forward's phase so that a bug at one row offset
+        """The query rows of an n-row chunk to check (attention_math.sample_rows): a bug at one row offset
         (a page boundary inside the chunk, say) is met within n / max_rows checks of such chunks."""
-        if n <= self.max_rows:
-            return np.arange(n)
-        k = self.max_rows - 2
-        step = -(-(n - 2) // k)                     # k rows `step` apart, at phase f % step: every
-        inner = 1 + (np.arange(k) * step + f % step) % (n - 2)   # inner row within `step` checks
-        return np.unique(np.concatenate([[0], inner, [n - 1]]))
+        return sample_rows(n, f, self.max_rows)
 
     # ---- the check -------------------------------------------------------------------------
     @torch.no_grad()
@@ -357,61 +324,25 @@ class AttentionCheckProbe(Probe):
 
     def _explain(self, p, q, got, kr, vr, pages, heads, tol):
         """The nearest explanation of a bad read whose output it reproduces: (kind, words, the
-        attention's inputs that reproduce it) or None."""
+        attention's inputs that reproduce it) or None. The model-level tries are attention_math's
+        (mask, scale, GQA map, a page left out or read from its neighbour); then the pages the
+        batch's block table names in place of the request's own."""
         cfg, kv = self.engine.model.cfg, self.engine.kv
-        hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        scale = hd ** -0.5
-        pos = p["sel"] + p["start"]
-        ctx = kr.shape[0]
-        keys = torch.arange(ctx, device=kr.device)[None, :]
-        allowed = keys <= pos[:, None]
-
-        def same(allowed_=allowed, scale_=scale, kv_head=None, k=kr, v=vr):
-            return float(_rel_rows(got, _attend(q, k, v, allowed_, scale_, kv_head)).max()) <= tol
-
-        for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
-            shifted = keys <= pos[:, None] + d
-            shifted[:, 0] = True
-            if same(shifted):
-                return "mask", f"a causal mask shifted by {d:+d} ({what})", {"allowed": shifted}
-        for s_, what in ((1.0 / hd, "1/head_dim"), (1.0, "1"), (hd ** -0.25, "head_dim^-1/4"),
-                         (2 * scale, "twice the model's"), (scale / 2, "half the model's")):
-            if same(scale_=s_):
-                return "scale", f"the scale {what} ({s_:.4g}; the model's is head_dim^-1/2 = {scale:.4g})", \
-                    {"scale": s_}
-        if heads and hkv > 1:                           # which KV head does each wrong query head read?
-            default = torch.arange(hq, device=q.device) // (hq // hkv)
-            read = {}
-            for h in heads:
-                for j in range(hkv):
-                    kvh = default.clone()
-                    kvh[h] = j
-                    o = _attend(q, kr, vr, allowed, scale, kvh)
-                    if float(_head_err(got[:, h:h + 1], o[:, h:h + 1]).max()) <= tol:
-                        read[h] = j
-                        break
-            if read and len(read) == len(heads) and any(j != int(default[h]) for h, j in read.items()):
-                kvh = default.clone()
-                for h, j in read.items():
-                    kvh[h] = j
-                return "kv-head-map", ("another GQA map: query head -> KV head read " +
-                                       ", ".join(f"{h}->{j} (want {int(default[h])})" for h, j in read.items())), \
-                    {"kv_head": kvh}
-        ps = kv.page_size
-        npg = -(-ctx // ps)
-        if p["start"] and 1 < npg <= MAX_PAGE_TRIES:
-            for i in range(npg):
-                skip = allowed & ~((keys >= i * ps) & (keys < (i + 1) * ps))
-                if bool(skip.any(-1).all()) and same(skip):
-                    return "page-skipped", f"attention with page index {i} (page {int(pages[i])}) left out", \
-                        {"allowed": skip}
+        scale = cfg.head_dim ** -0.5
+        ctx, npg = kr.shape[0], -(-kr.shape[0] // kv.page_size)
+        found = explain_read(q, got, kr, vr, p["sel"] + p["start"], scale, tol, heads=heads,
+                             page_size=kv.page_size, pages=pages, start=p["start"])
+        if found is not None:
+            return found
+        same = lambda k, v: float(_rel_rows(got, _attend(q, k, v, allowed, scale)).max()) <= tol  # noqa: E731
+        allowed = torch.arange(ctx, device=kr.device)[None, :] <= (p["sel"] + p["start"])[:, None]
         bt = p["batch"].block_tables
         if p["start"] and bt is not None and p["index"] < bt.shape[0] and bt.shape[1] >= npg:
             row = bt[p["index"], :npg].to(pages.device).long()      # the pages the kernel was pointed at
             if not torch.equal(row, pages) and bool(((row >= 0) & (row < kv.k[0].shape[0])).all()):
                 L = p["layer"]
                 kb, vb = self._stored(kv.k[L], row, ctx), self._stored(kv.v[L], row, ctx)
-                if same(k=kb, v=vb):
+                if same(kb, vb):
                     diff = [(i, int(row[i]), int(pages[i])) for i in range(npg) if int(row[i]) != int(pages[i])]
                     return "block-table", ("attention over the pages the batch's block table names instead of the "
                                            "request's own (" + ", ".join(f"index {i}: page {a}, not {b}"
@@ -424,7 +355,7 @@ class AttentionCheckProbe(Probe):
         explanation reproduced the output, what the kernel attended with (got)."""
         hd, hq, hkv = self.engine.model.cfg.head_dim, q.shape[1], kr.shape[1]
         causal = (torch.arange(kr.shape[0], device=kr.device) <= pos)[None]
-        gqa = torch.arange(hq, device=q.device) // (hq // hkv)
+        gqa = gqa_map(hq, hkv, q.device)
         weights = lambda allowed, scale, kv_head, k: _weights(q[r:r + 1], k, allowed, scale, kv_head)[:, 0]  # noqa: E731
         want = weights(causal, hd ** -0.5, gqa, kr)
         got = None

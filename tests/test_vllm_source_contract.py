@@ -138,6 +138,16 @@ MEMBERS = [
     ("v1/kv_cache_interface.py", "ChunkedLocalAttentionSpec", "attention_chunk_size"),
     ("v1/worker/utils.py", "AttentionGroup", "metadata_builders kernel_block_size kernel_block_stride "
      "map_to_kernel_block_table"),
+    # the attention check (attention_watch.py, kv_layout.py) and its fault seams (issue 37)
+    ("model_executor/layers/attention/attention.py", "Attention", "impl layer_name kv_sharing_target_layer_name"),
+    ("v1/attention/backends/cpu_attn.py", "CPUAttentionBackendImpl", "num_heads num_kv_heads head_size scale "
+     "sliding_window logits_soft_cap alibi_slopes sinks kv_cache_dtype attn_type kv_sharing_target_layer_name "
+     "forward do_kv_cache_update"),
+    ("v1/attention/backends/cpu_attn.py", "CPUAttentionMetadata", "query_start_loc seq_lens block_table "
+     "scheduler_metadata causal dynamic_causal"),
+    ("v1/attention/backends/flash_attn.py", "FlashAttentionImpl", "num_heads num_kv_heads head_size scale "
+     "sliding_window logits_soft_cap alibi_slopes kv_cache_dtype forward"),
+    ("config/compilation.py", "CompilationConfig", "static_forward_context cudagraph_mode"),
 ]
 # read with getattr and a default: a missing one only narrows a check (a warning, not a failure)
 OPTIONAL = [("v1/core/sched/scheduler.py", "Scheduler", "deferred_frees connector")]
@@ -147,6 +157,21 @@ OPTIONAL = [("v1/core/sched/scheduler.py", "Scheduler", "deferred_frees connecto
 def test_vllm_defines_what_the_plugin_reads(V, rel, cls, names):
     missing = sorted(set(names.split()) - _members(_cls(V, rel, cls)))
     assert not missing, f"{rel}: class {cls} no longer defines {missing} (the plugin reads them)"
+
+
+def test_vllm_attention_seams(V):
+    """The call the attention check wraps and the op kv_layout.py learns the CPU packing from."""
+    params = ["self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    _fn(V, "v1/attention/backend.py", "AttentionImpl", "forward", params)
+    _fn(V, "v1/attention/backends/cpu_attn.py", "CPUAttentionBackendImpl", "forward", params)
+    _fn(V, "v1/attention/backends/cpu_attn.py", "CPUAttentionBackendImpl", "do_kv_cache_update",
+        ["self", "layer", "key", "value", "kv_cache", "slot_mapping"])
+    _fn(V, "_custom_ops.py", None, "cpu_attn_reshape_and_cache",
+        ["key", "value", "key_cache", "value_cache", "slot_mapping", "isa"])
+    _fn(V, "_custom_ops.py", None, "cpu_attn_get_scheduler_metadata")
+    # the impl is called with the layer first and output by keyword, after the cache write op
+    src = (V / "model_executor/layers/attention/attention.py").read_text()
+    assert "self.impl.forward(" in src and "do_kv_cache_update(" in src, "attention.py: the impl call sites moved"
 
 
 def test_vllm_scheduler_hooks(V):

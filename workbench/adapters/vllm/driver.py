@@ -40,6 +40,7 @@ class Run:
     costs: dict
     steps: list
     errors: list
+    attention_costs: dict | None = None
 
     def at_least(self, sev: str) -> list:
         return [f for f in self.findings if f.at_least(sev)]
@@ -142,7 +143,8 @@ def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool 
             return Run(p.returncode, result, p.stdout + p.stderr, [], {}, {}, [], [])
         with lis.lock:
             return Run(p.returncode, result, p.stdout + p.stderr, list(lis.findings), dict(lis.statuses),
-                       dict(lis.costs), list(lis.steps), list(lis.errors))
+                       dict(lis.costs), list(lis.steps), list(lis.errors),
+                       dict(lis.attention_costs))
     finally:
         if lis is not None:
             lis.close()

@@ -30,6 +30,23 @@ Each reproduces a production bug in the engine users run, where our checks must 
                                instead of replacing them (the runner's resumed_from_preemption
                                branch lost), so the kernel reads blocks other requests now own
 
+Math faults in the attention backend (issue 37), for the attention check: none changes a
+bookkeeping tensor the metadata check reads, so only a check of what attention computes sees them.
+
+  attention_scale_1_over_d     the kernel runs with scale 1/head_dim instead of the model's
+                               (1/sqrt(head_dim)): the softmax too flat, everywhere
+  attention_decode_misses_newest  decode rows attend over all keys but their own newest one: the
+                               kernel is handed seq_lens one short for rows of one query token
+                               (a mask one behind in decode; CPU backend, its scheduler metadata
+                               rebuilt for the shorter lengths)
+  attention_decode_kv_head_slip   in decode rows only, query heads read the next KV head's K/V
+                               (a GQA map slip in a decode-only kernel path); needs >= 2 KV heads
+  attention_page_walk_repeats_page  the kernel's block table repeats each row's first page in
+                               place of its second (a page walk that does not advance: the second
+                               page's keys are never read, the first page's twice)
+  kv_write_heads_reversed      the K handed to the cache write has its KV heads in reverse order
+                               (a head-layout slip in the store); needs >= 2 KV heads
+
 Which are on is read from a JSON file, {"faults": [names]}, named by
 PAGEDKV_VLLM_FAULT_FILE; every vLLM process re-reads it when its mtime changes (checked at
 most every 0.2 s), so a test or a notebook switches a fault on and off while the server runs.
@@ -42,9 +59,13 @@ import os
 import time
 from dataclasses import replace
 
+
 FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks",
           "prefix_hash_ignores_last_token", "admission_refuses_long_prompts", "window_frees_one_block_early",
-          "prefix_hit_skips_ref", "resume_appends_blocks")
+          "prefix_hit_skips_ref", "resume_appends_blocks",
+          "attention_scale_1_over_d", "attention_decode_misses_newest", "attention_decode_kv_head_slip",
+          "attention_page_walk_repeats_page", "kv_write_heads_reversed")
+MATH_FAULTS = FAULTS[-5:]
 
 
 class FaultSwitch:
@@ -184,3 +205,71 @@ def worker_output(switch: FaultSwitch, so):
     c.resumed_req_ids = set()
     so.scheduled_cached_reqs = c
     return so
+
+
+# ---- the attention backend's seams (AttentionImpl.forward / do_kv_cache_update) -------------
+def _qlens(md) -> torch.Tensor | None:
+    qsl = getattr(md, "query_start_loc", None)
+    return None if qsl is None else (qsl[1:] - qsl[:-1]).to("cpu")
+
+
+def attention_forward(switch: FaultSwitch, orig, impl, layer, query, key, value, kv_cache, md, output, *a, **kw):
+    """impl.forward as the backend runs it, with the math faults that are on."""
+    if md is None or switch.path is None or not any(switch.on(n) for n in MATH_FAULTS):
+        return orig(impl, layer, query, key, value, kv_cache, md, output, *a, **kw)
+    import dataclasses
+    restore = []
+    decode_tokens = None
+    qlens = _qlens(md)
+    if qlens is not None:
+        starts = md.query_start_loc[:-1].to("cpu").long()
+        decode_tokens = starts[qlens == 1]
+    try:
+        if switch.on("attention_scale_1_over_d"):
+            restore.append(("scale", impl.scale))
+            impl.scale = 1.0 / impl.head_size
+        if switch.on("attention_page_walk_repeats_page") and hasattr(md, "block_table"):
+            bt = md.block_table.clone()
+            bs = kv_cache.shape[2]
+            two = (md.seq_lens[: bt.shape[0]].to(bt.device) > bs) & (bt.shape[1] > 1)
+            bt[two, 1] = bt[two, 0]
+            md = dataclasses.replace(md, block_table=bt)
+        if switch.on("attention_decode_misses_newest") and decode_tokens is not None and len(decode_tokens) \
+                and hasattr(md, "scheduler_metadata"):
+            md = _seq_lens_short(impl, layer, query, md, qlens)
+        if switch.on("attention_decode_kv_head_slip") and decode_tokens is not None and len(decode_tokens) \
+                and impl.num_kv_heads > 1:
+            g = impl.num_heads // impl.num_kv_heads
+            query = query.clone()
+            query[decode_tokens] = query[decode_tokens].roll(g, dims=1)
+            out = orig(impl, layer, query, key, value, kv_cache, md, output, *a, **kw)
+            o3 = output.view(output.shape[0], impl.num_heads, -1)
+            o3[decode_tokens] = o3[decode_tokens].roll(-g, dims=1)   # head h got KV head h // g + 1's read
+            return out
+        return orig(impl, layer, query, key, value, kv_cache, md, output, *a, **kw)
+    finally:
+        for name, v in restore:
+            setattr(impl, name, v)
+
+
+def _seq_lens_short(impl, layer, query, md, qlens):
+    """The CPU backend's metadata with decode rows one key short, its work split rebuilt to match."""
+    import dataclasses
+
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    sl = md.seq_lens.clone()
+    sl[: len(qlens)][qlens.to(sl.device) == 1] -= 1
+    sm = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(qlens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size,
+        seq_lens=sl, dtype=query.dtype, query_start_loc=md.query_start_loc, causal=md.causal,
+        sliding_window_size=impl.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=md.dynamic_causal, kv_cache_dtype=impl.kv_cache_dtype)
+    return dataclasses.replace(md, seq_lens=sl, scheduler_metadata=sm)
+
+
+def kv_write(switch: FaultSwitch, key, value):
+    """The K / V impl.do_kv_cache_update stores."""
+    if switch.on("kv_write_heads_reversed") and key.dim() == 3 and key.shape[1] > 1:
+        key = key.flip(1)
+    return key, value

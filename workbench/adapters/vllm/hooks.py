@@ -12,12 +12,16 @@ On what every step path and every model runner shares (issue 26):
                 group of the same spec on CUDA backends: metadata made without build);
                 execute_model on every model runner class that defines it (V1 GPU / CPU,
                 V2, NPUModelRunner) for the step's SchedulerOutput; the V2 runner's
-                prepare_inputs for its row order; initialize_kv_cache for the status line.
+                prepare_inputs for its row order; initialize_kv_cache for the status line
+                and, once the KV cache exists, each attention layer's impl.forward (the
+                attention check, attention_watch.py: an instance attribute per layer).
   fault seams   Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
                 hash_block_tokens (its prefix-hash fault), KVCacheManager.allocate_slots
                 (its admission fault), SlidingWindowManager.get_num_skipped_tokens (the
                 window fault), BlockPool.touch (the hit-reference fault), the SchedulerOutput
-                execute_model hands the runner (the resume fault).
+                execute_model hands the runner (the resume fault); AttentionImpl.forward and
+                do_kv_cache_update (the attention math faults), installed only when a fault
+                file is named, so that a production server's attention path carries no seam.
 
 A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
 the rest install. Every callback runs inside try/except: an exception of ours is one log
@@ -29,6 +33,7 @@ import time
 
 from . import faults
 from . import status as st
+from .attention_watch import AttentionWatch
 from .engine_side import PoolWatch
 from .patching import wrap_family
 from .reporter import Reporter
@@ -38,17 +43,20 @@ _installed = False
 REP: Reporter | None = None
 POOL: PoolWatch | None = None
 META: MetadataWatch | None = None
+ATTN: AttentionWatch | None = None
 
 
 def install(settings) -> None:
-    global _installed, REP, POOL, META
+    global _installed, REP, POOL, META, ATTN
     if _installed:
         return
     _installed = True
     REP = Reporter(settings.address)
     POOL = PoolWatch(REP, settings)
     META = MetadataWatch(REP, settings)
-    for name, fn in (("engine core hooks", _engine_core), ("worker hooks", _worker), ("fault seams", _seams)):
+    ATTN = AttentionWatch(REP, settings, META)
+    seams = (("fault seams", _seams),) + ((("attention fault seams", _attention_seams),) if settings.fault_file else ())
+    for name, fn in (("engine core hooks", _engine_core), ("worker hooks", _worker), *seams):
         try:
             fn()
         except Exception as e:                   # another vLLM: say what did not match, install the rest
@@ -165,11 +173,40 @@ def _worker() -> None:
 
     for base in _runner_bases():
         _need(wrap_family(base, "execute_model", execute_model), f"{base.__module__}.{base.__name__}.execute_model")
-        wrap_family(base, "initialize_kv_cache", _after("status", lambda runner, _: META.on_runner_ready(runner)))
+        wrap_family(base, "initialize_kv_cache", _after("status", _runner_ready))
         if "prepare_inputs" in base.__dict__:
             wrap_family(base, "prepare_inputs", _after("metadata row order", lambda _, batch: META.on_inputs(batch)))
     _need(wrap_family(AttentionMetadataBuilder, "build", build), "AttentionMetadataBuilder.build")
     wrap_family(AttentionMetadataBuilder, "update_block_table", update_block_table)
+
+
+def _runner_ready(runner, _) -> None:
+    META.on_runner_ready(runner)
+    _guard("attention check (install)", ATTN.on_runner_ready, runner)
+
+
+def _attention_seams() -> None:
+    from vllm.v1.attention.backend import AttentionImpl
+
+    def forward(orig):
+        def hook(self, *a, outer, **kw):
+            if not outer:
+                return orig(self, *a, **kw)
+            return faults.attention_forward(META.switch, orig, self, *a, **kw)
+        return hook
+
+    def write(orig):
+        def hook(self, layer, key, value, *a, outer, **kw):
+            if outer:
+                try:
+                    key, value = faults.kv_write(META.switch, key, value)
+                except Exception as e:
+                    REP.error("fault seam (kv write)", e)
+            return orig(self, layer, key, value, *a, **kw)
+        return hook
+
+    wrap_family(AttentionImpl, "forward", forward)
+    wrap_family(AttentionImpl, "do_kv_cache_update", write)
 
 
 def _none_when(where: str, fault):

@@ -156,6 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the step's token budget: below a prompt's length, prefills are chunked")
     ap.add_argument("--shared", type=int, default=70, help="tokens of prefix all prompts share")
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' random seed")
     ap.add_argument("--trace", default=None, metavar="RECORDING",
                     help="the requests of a flight recording or repro bundle instead, each added before the "
                          "step it was first scheduled at, with its recorded prompt and max tokens")
@@ -174,7 +175,7 @@ def main(argv=None) -> None:
         time.sleep(a.settle_s)
         core.shutdown()
         return
-    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, shared=a.shared, differ_at=a.differ_at))]
+    reqs = [(f"r{i}", p) for i, p in enumerate(prompts(a.requests, shared=a.shared, differ_at=a.differ_at, seed=a.seed))]
     at = lengths = None
     if a.trace:
         from workbench.recorder.reader import open_recording

@@ -52,6 +52,7 @@ class SanitizerListener:
         self.findings: list[Finding] = []
         self.errors: list[str] = []
         self.processes: list[dict] = []
+        self.attention_costs: dict[str, dict] = {}   # process -> the attention check's checks, time, errors
         self.costs: dict[str, dict] = {}      # process -> {checks, check_s, executions}: the worker's metadata checks
         self.statuses: dict[str, dict] = {}   # check -> {check, active, via, path, reason, process}
         self.inactive_after = inactive_after  # engine steps with work and no worker heartbeat: check-inactive
@@ -98,6 +99,9 @@ class SanitizerListener:
                     hint=str(header.get("hint", "")), kind=str(header.get("kind", "")), step=header.get("step"),
                     request_id=header.get("request_id"), page=header.get("page"),
                     evidence=dict(header.get("evidence") or {})))
+            elif kind == "cost" and header.get("check") == "vllm_attention":    # the attention check's own
+                self.attention_costs[str(header.get("process", "?"))] = {
+                    k: header.get(k) for k in ("checks", "check_s", "executions", "max_err", "skipped")}
             elif kind == "cost":                  # cumulative per process: a lost message loses nothing
                 proc = str(header.get("process", "?"))
                 old = self.costs.get(proc, {}).get("checks", 0)

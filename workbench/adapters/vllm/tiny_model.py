@@ -1,7 +1,8 @@
 """A tiny random-weight Llama as a safetensors directory vLLM loads: pools of 100k blocks fit here.
 
 SmolLM2's K/V take ~23 KB a token; 100,000 blocks of 32 tokens would need ~74 GB. This model
-(2 layers, 1 KV head of 64) takes 512 B a token, 1.6 GB for the same pool, so the plugin's cost
+(2 layers, 4 query heads and 2 KV heads of 32: grouped-query attention, so a head-map or
+head-order bug shows) takes 512 B a token, 1.6 GB for the same pool, so the plugin's cost
 can be measured at production pool sizes on this machine. Its steps are far shorter than a
 real model's, which makes the plugin's share of a step a pessimistic bound. Written once by
 transformers (random weights, SmolLM2's tokenizer files), reused while complete.
@@ -29,7 +30,7 @@ DEFAULT_TINY_DIR = Path(os.environ.get("PAGEDKV_VLLM_TINY_DIR",
 DEFAULT_HYBRID_DIR = DEFAULT_TINY_DIR.with_name("vllm-hybrid-model")
 DEFAULT_SLIDING_DIR = DEFAULT_TINY_DIR.with_name("vllm-sliding-model")
 HYBRID_WINDOW = 64
-_DONE = ".written"
+_DONE = ".written-gqa"          # the marker names the shape: an older directory is written again
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json")
 
@@ -42,8 +43,8 @@ def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False, sl
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     src = write_model_dir(DEFAULT_DIR)               # for the tokenizer (and its vocabulary size)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=8192,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16",
                       **({"layer_types": layers, "sliding_window": HYBRID_WINDOW} if layers else {}))
     torch.manual_seed(0)
