@@ -26,6 +26,9 @@ def test_the_hardware_check_script_passes_on_this_cpu_vllm():
     assert p.returncode == 0 and "RESULT PASS" in out, out + p.stderr[-3000:]
     assert "vllm_pool: active via Scheduler.schedule + Scheduler.update_from_output (EngineCore.step" in out
     assert "vllm_metadata: active via AttentionMetadataBuilder.build (CPUModelRunner" in out
+    assert "vllm_attention: active via AttentionImpl.forward (per layer) (30 of 30 attention layers" in out
+    ran = next(ln for ln in out.splitlines() if ln.startswith("ran: "))
+    assert int(ran.split("attention check ")[1].split()[0]) > 0, ran
     assert "clean run: 0 findings >= warn" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("planted permuted_block_table_rows"))
     assert not line.startswith("planted permuted_block_table_rows: 0/") and "caught: step" in line
