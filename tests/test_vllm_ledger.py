@@ -48,6 +48,9 @@ def test_a_long_clean_workload_is_silent_with_every_group_checked(models, kind, 
                    *(["--batch-queue"] if path == "batch-queue" else []))
     assert r.rc == 0, r.log[-3000:]
     assert not r.at_least("warn"), [f.message for f in r.findings]
+    # the attention check (issue 37) ran through all of it, one row a step, and stayed silent
+    (attn,) = r.attention_costs.values()
+    assert attn["checks"] > 100 and attn["max_err"]["read"] < 0.01, attn
     res = r.result
     if kind == "sliding":                     # one SlidingWindowSpec group: the single-group sweep rules too
         assert res["kv_cache_groups"] == ["SlidingWindowSpec"] and res["preemptions"] > 0
