@@ -50,10 +50,11 @@ from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
 from .attention_math import attend as _attend
-from .attention_math import explain_read, gqa_map, sample_rows
+from .attention_math import causal, explain_read, gqa_map, sample_rows
+from .attention_math import rel_rows as _rel_rows
 from .attention_math import head_err as _head_err
 from .attention_math import weights as _weights
-from .shadow import TOLERANCE, _rel_rows, _rms, _rope, checkable, scheduled_rows, stored_kv
+from .shadow import TOLERANCE, _rms, _rope, checkable, scheduled_rows, stored_kv
 
 KINDS = ("decode", "chunk", "prefill")
 # The rope check recomputes the layer's projection for a few rows, through another GEMM path than
@@ -334,15 +335,14 @@ class AttentionCheckProbe(Probe):
                              page_size=kv.page_size, pages=pages, start=p["start"])
         if found is not None:
             return found
-        same = lambda k, v: float(_rel_rows(got, _attend(q, k, v, allowed, scale)).max()) <= tol  # noqa: E731
-        allowed = torch.arange(ctx, device=kr.device)[None, :] <= (p["sel"] + p["start"])[:, None]
+        allowed = causal(p["sel"] + p["start"], ctx)
         bt = p["batch"].block_tables
         if p["start"] and bt is not None and p["index"] < bt.shape[0] and bt.shape[1] >= npg:
             row = bt[p["index"], :npg].to(pages.device).long()      # the pages the kernel was pointed at
             if not torch.equal(row, pages) and bool(((row >= 0) & (row < kv.k[0].shape[0])).all()):
                 L = p["layer"]
                 kb, vb = self._stored(kv.k[L], row, ctx), self._stored(kv.v[L], row, ctx)
-                if same(kb, vb):
+                if float(_rel_rows(got, _attend(q, kb, vb, allowed, scale)).max()) <= tol:
                     diff = [(i, int(row[i]), int(pages[i])) for i in range(npg) if int(row[i]) != int(pages[i])]
                     return "block-table", ("attention over the pages the batch's block table names instead of the "
                                            "request's own (" + ", ".join(f"index {i}: page {a}, not {b}"

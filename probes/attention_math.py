@@ -71,6 +71,17 @@ def attend(q, k, v, allowed, scale, kv_head=None, softcap: float = 0.0) -> torch
         .transpose(0, 1)
 
 
+def mask_shift(q, got, k, v, pos, scale: float, tol: float, *, base: int = 0, window: int = 0,
+               softcap: float = 0.0):
+    """The causal mask shifted by one either way, where it reproduces got: (words, allowed) or None."""
+    for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
+        shifted = causal(pos, k.shape[0], base, window, shift=d)
+        shifted[:, 0] |= ~shifted.any(-1)               # a row with no key at all would be NaN
+        if float(rel_rows(got, attend(q, k, v, shifted, scale, softcap=softcap)).max()) <= tol:
+            return f"causal mask shifted by {d:+d} ({what})", shifted
+    return None
+
+
 def explain_read(q, got, k, v, pos, scale: float, tol: float, *, heads, base: int = 0, window: int = 0,
                  softcap: float = 0.0, page_size: int = 0, pages=None, start: int = 0):
     """The nearest explanation of a bad read whose output it reproduces: (kind, words, the inputs to
@@ -87,11 +98,9 @@ def explain_read(q, got, k, v, pos, scale: float, tol: float, *, heads, base: in
     def same(allowed_=allowed, scale_=scale, kv_head=None, k_=k, v_=v):
         return float(rel_rows(got, attend(q, k_, v_, allowed_, scale_, kv_head, softcap)).max()) <= tol
 
-    for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
-        shifted = causal(pos, ctx, base, window, shift=d)
-        shifted[:, 0] |= ~shifted.any(-1)
-        if same(shifted):
-            return "mask", f"a causal mask shifted by {d:+d} ({what})", {"allowed": shifted}
+    shifted = mask_shift(q, got, k, v, pos, scale, tol, base=base, window=window, softcap=softcap)
+    if shifted is not None:
+        return "mask", f"a {shifted[0]}", {"allowed": shifted[1]}
     model = hd ** -0.5
     for s_, what in ((1.0 / hd, "1/head_dim"), (1.0, "1"), (hd ** -0.25, "head_dim^-1/4"),
                      (2 * scale, "twice the model's"), (scale / 2, "half the model's")):

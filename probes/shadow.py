@@ -51,6 +51,9 @@ from workbench.engine.model import rope_tables
 from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
+from .attention_math import mask_shift
+from .attention_math import rel_rows as _rel_rows
+
 # (exact, drift) by the coarsest dtype involved (model or KV cache). "exact": the same inputs
 # through two paths (checks 1 and 3), only the dtype's rounding separates them. "drift": the
 # recompute from tokens (check 2), whose low-precision rounding grows through the layers.
@@ -88,12 +91,6 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
-def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """max |got - want| per row (token), relative to max |want| over all rows; NaN counts as wrong."""
-    err = (got.float() - want).abs().amax(dim=tuple(range(1, want.dim()))) / want.abs().amax().clamp_min(1e-30)
-    return torch.nan_to_num(err, nan=math.inf)
 
 
 def scheduled_rows(engine, batch) -> tuple[list[int], np.ndarray]:
@@ -429,15 +426,8 @@ class ShadowProbe(Probe):
 
     def _mask_diagnosis(self, p, got, qe, ks, vs, tol, scale) -> str | None:
         """Does the paged output match attention under a causal mask shifted by one?"""
-        start, ctx = p["start"], p["ctx"]
-        keys = torch.arange(ctx, device=ks.device)[None, :]
-        rows = torch.arange(start, ctx, device=ks.device)[:, None]
-        for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
-            allowed = keys <= rows + d
-            allowed[:, 0] = True                        # a row with no key at all would be NaN
-            if float(_rel_rows(got, _attend(qe, ks, vs, allowed, scale)).max()) <= tol:
-                return f"causal mask shifted by {d:+d} ({what})"
-        return None
+        found = mask_shift(qe, got, ks, vs, torch.arange(p["start"], p["ctx"], device=ks.device), scale, tol)
+        return None if found is None else found[0]
 
     def _report_read(self, p, l, err, tol, what, diagnosis=None) -> None:
         seq, rid, start = p["seq"], p["seq"].request_id, p["start"]

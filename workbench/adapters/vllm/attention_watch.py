@@ -41,10 +41,12 @@ from probes import attention_math as am
 from . import sanitizer
 from . import status as st
 from .kv_layout import layout_of, read_kv
-from .worker_side import kernel_pages
+from .worker_side import kernel_pages, kernel_stride
 
 CHECK_ATTENTION = "vllm_attention"
 KINDS = ("decode", "chunk", "prefill")
+# by the cache's dtype; looser than our engine's fp32 / fp16 ones: vLLM's kernels accumulate in their own
+# order and precision (AMX feeds bf16 probabilities into P @ V); clean runs stay under 4e-3 in bf16
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 HINTS = {
     "attention-write": "the K/V stored at the request's slots are not the ones the layer handed to the cache "
@@ -126,8 +128,7 @@ class AttentionWatch:
         window = (w[0] + 1 if w[0] >= 0 else 0) if isinstance(w, tuple) else (w if w and w > 0 else 0)
         return "", {"index": _layer_index(name), "group": g, "layout": layout, "window": int(window),
                     "softcap": float(getattr(impl, "logits_soft_cap", 0) or 0), "scale": float(impl.scale),
-                    "heads": int(impl.num_heads), "kv_heads": int(impl.num_kv_heads),
-                    "head_size": int(impl.head_size), "block_size": int(groups[g].kv_cache_spec.block_size)}
+                    "heads": int(impl.num_heads), "head_size": int(impl.head_size), "block_size": int(groups[g].kv_cache_spec.block_size)}
 
     def _wrap(self, name, orig):
         @functools.wraps(orig)
@@ -238,7 +239,8 @@ class AttentionWatch:
         pages = p["pages"]
         if kbs != bs:                               # the kernel's blocks: manager block b is b * stride + j
             ratio = bs // kbs
-            pages = kernel_pages(pages, ratio, self._stride(p["layer"], ratio))
+            pages = kernel_pages(pages, ratio, kernel_stride(
+                self.meta.runner, ratio, lambda ag: p["layer"] in (getattr(ag, "layer_names", None) or ())))
         first = 0
         if info["window"]:                          # a window reads no key before p - W + 1: vLLM may have freed it
             first = max(0, p["computed"] - info["window"] + 1) // kbs
@@ -345,13 +347,6 @@ class AttentionWatch:
                     **({"explanation": match[0], "matches": match[1]} if match else {})})
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _stride(self, name, ratio) -> int:
-        for groups in getattr(self.meta.runner, "attn_groups", None) or ():
-            for ag in groups:
-                if name in (getattr(ag, "layer_names", None) or ()):
-                    return int(getattr(ag, "kernel_block_stride", 0) or ratio)
-        return ratio
-
     def _send_cost(self) -> None:
         now = time.monotonic()
         if now - self._cost_sent < 1.0 and self.checks % 16:

@@ -208,7 +208,7 @@ def worker_output(switch: FaultSwitch, so):
 
 
 # ---- the attention backend's seams (AttentionImpl.forward / do_kv_cache_update) -------------
-def _qlens(md) -> torch.Tensor | None:
+def _qlens(md):
     qsl = getattr(md, "query_start_loc", None)
     return None if qsl is None else (qsl[1:] - qsl[:-1]).to("cpu")
 

@@ -53,7 +53,7 @@ class CpuPacking:
         coord = {}
         # each coordinate written as base-128 digits: small integers every float dtype holds exactly
         for axis, n in (("t", bs), ("d", d)):
-            val = torch.zeros(bs * 2 * d)
+            val = torch.zeros(page.numel())
             scale = 1
             while scale < n:
                 idx = torch.arange(n)

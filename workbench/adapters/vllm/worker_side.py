@@ -39,6 +39,16 @@ def kernel_pages(pages: list[int], ratio: int, stride: int) -> list[int]:
     return a.reshape(-1).tolist()
 
 
+def kernel_stride(runner, ratio: int, owns) -> int:
+    """Kernel block j of manager block b is b * stride + j: the packed-cache stride of the attention
+    group `owns(group)` picks, where it set one, else the kernel blocks per manager block."""
+    for groups in getattr(runner, "attn_groups", None) or ():
+        for ag in groups:
+            if owns(ag):
+                return int(getattr(ag, "kernel_block_stride", 0) or ratio)
+    return ratio
+
+
 class MetadataWatch:
     def __init__(self, rep, settings):
         self.rep, self.s = rep, settings
@@ -126,15 +136,6 @@ class MetadataWatch:
                 return i
         return 0 if len(groups) == 1 else None
 
-    def _kernel_stride(self, builder, ratio: int) -> int:
-        """Kernel block j of manager block b is b * stride + j: the attention group's packed-cache
-        stride where it set one, else the kernel blocks per manager block."""
-        for groups in getattr(self.runner, "attn_groups", None) or ():
-            for ag in groups:
-                if builder in (getattr(ag, "metadata_builders", None) or ()):
-                    return int(getattr(ag, "kernel_block_stride", 0) or ratio)
-        return ratio
-
     def check(self, builder, cm) -> None:
         g = self._group(builder)
         if g is None or g in self.done_groups:
@@ -181,7 +182,8 @@ class MetadataWatch:
         else:
             # the kernel reads kernel blocks: manager block b is b * stride + j, j < bs / kernel_bs
             # (AttentionGroup.map_to_kernel_block_table); the K/V write keeps the manager's slots
-            stride = self._kernel_stride(builder, bs // kernel_bs)
+            stride = kernel_stride(self.runner, bs // kernel_bs,
+                                   lambda ag: builder in (getattr(ag, "metadata_builders", None) or ()))
             kpages = [kernel_pages(p, bs // kernel_bs, stride) for p in pages]
             records = [sanitizer.vllm_record(self.executions, req_ids, starts, q, kpages, kernel_bs,
                                              None if num_blocks is None else num_blocks * stride,
