@@ -22,6 +22,7 @@ PROBES = {
     "attention": "probes.attention_check:AttentionCheckProbe",
     "rank_consistency": "probes.rank_consistency:RankConsistencyProbe",
     "forward_progress": "probes.forward_progress:ForwardProgressProbe",
+    "request_lifecycle": "probes.request_lifecycle:RequestLifecycleProbe",
 }
 
 

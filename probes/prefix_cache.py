@@ -2,37 +2,45 @@
 
 A prefix-cache hit is trusted once the page's tokens match. But a page's K/V depends on
 its position (RoPE) and on every token before it: a chain hash that forgets its parent,
-a registration under the wrong page index, or a lookup that skips a page serves K/V
-computed for another history, and the text garbles with every check on the tokens
-passing. This probe keeps its own record of what each cached page holds, independent of
-the engine's hash chain:
+a registration under the wrong page index, an index entry that outlived its page's eviction
+or a page rewritten while still indexed serves K/V computed for another history, and the text
+garbles with every check on the tokens passing. The probe's reference is what was written,
+never the index's own records:
 
-- on PagesRegistered: the page's true index is where it sits in the registering
-  sequence's own page list; the probe stores that index and a CRC chained over the
-  sequence's token ids up to the end of the page (zlib.crc32, not the engine's
-  hash_page). A registration whose claimed index (the event's, and the pool's
-  page_index) differs from the true one, or of a page not yet fully computed, is an error.
-- on RequestAdmitted with cached tokens: each hit page j must have been recorded at
-  index j with the requester's own CRC of tokens[: (j+1) * page_size]; the pool's
-  record (page_index, page_parent = the hash of the requester's page j-1) must agree.
-  A mismatch is an error naming both requests and the page.
+- every step (StepFinished), the page write ledger (probes/page_writes.py) checks the positions
+  each request holds without having computed them (its prefix-cache hits): the requester's own
+  prefix digest at each cached position must equal the digest last written to the slot its own
+  page list names. A mismatch is an error naming both requests, the page and the first differing
+  position. Then it records the step's writes from the step record (the slot mapping the kernel
+  was handed, the requests' tokens).
+- the index is audited against the ledger: each page written this step that the index holds must
+  hold what the index says (one writer's history, at the index's position, its tokens). An entry
+  that outlived its page (kept through an eviction, or its page rewritten under it) is an error
+  naming the writer and the page.
+- on PagesRegistered: the page's true index is where it sits in the registering sequence's own
+  page list; a registration under another index, or of a page not yet fully computed, is an error.
 
-Cost: one CRC over page_size token ids per registered page and per hit page (the
-requester's chain is computed once per admission from one array).
+Cost: numpy over the step's tokens (one cumulative sum), plus the hit pages at admission and
+the written pages the index holds.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from probes.page_writes import PageWriteLedger
 from probes.provenance import chain
-from workbench.events import PagesRegistered, RequestAdmitted
+from workbench.events import EngineIdle, PagesRegistered, RequestAdmitted, RequestFinished, StepFinished
 from workbench.probe import Probe
 
 HINT_HIT = ("the prefix cache served a page computed for another history: a page's key must chain its "
             "parent's hash (hash_page(parent, tokens)) and be registered under its own index "
-            "(KVCacheManager.cache_full_pages); flush the prefix cache (engine.reset_prefix_cache()) after the fix")
+            "(KVCacheManager.cache_full_pages), and a page handed out again must leave the index first "
+            "(PagePool.allocate evicts it); flush the prefix cache (engine.reset_prefix_cache()) after the fix")
 HINT_REG = ("a page was entered in the prefix cache under another index than the one it holds in the "
             "registering sequence (or before it was full): check KVCacheManager.cache_full_pages")
+HINT_INDEX = ("the prefix index maps a hash to a page that now holds another request's K/V: an eviction "
+              "(PagePool.allocate handing out a cached-free page) must drop the page's entry, and nothing "
+              "may write into an indexed page; flush the prefix cache (engine.reset_prefix_cache()) after the fix")
 
 
 def history_crcs(tokens, num_pages: int, page_size: int) -> list[int]:
@@ -43,24 +51,118 @@ def history_crcs(tokens, num_pages: int, page_size: int) -> list[int]:
 
 class PrefixCacheProbe(Probe):
     name = "prefix_cache"
-    description = "cached pages checked against the requester's own position and token history"
+    description = "prefix-cache hits checked against a ledger of what each page slot was last written with"
 
-    def __init__(self, max_records: int = 1_000_000, **params: Any):
-        super().__init__(max_records=max_records, **params)
-        self.max_records = max_records
-        self._rec: dict[int, tuple] = {}     # page -> (index, history crc, registering request, generation)
+    def __init__(self, **params: Any):
+        super().__init__(**params)
+        self.ledger: PageWriteLedger | None = None
+        self._pool = None
+        self._whole = False                 # watching since the engine's first step: every slot is known
+        self._ended: list = []              # requests finished since the last step: their digests go
         self.registrations_checked = 0
-        self.hits_checked = 0
+        self.hits_checked = 0               # cached positions checked against the ledger
+        self.index_pages_checked = 0
 
     def on_attach(self, engine) -> None:
         self.listen(PagesRegistered, self.on_registered)
-        self.listen(RequestAdmitted, self.on_admitted)
+        self.listen(StepFinished, self.on_step)
+        self.listen(RequestFinished, lambda e: self._ended.append(e.request_id))
+        self.listen(EngineIdle, lambda e: self._forget())
 
     def _seq(self, rid, where) -> Any:
         for s in where:
             if s.request_id == rid:
                 return s
         return None
+
+    def _ledger(self) -> PageWriteLedger:
+        pool = self.engine.pool
+        if self.ledger is None or pool is not self._pool:       # a repage built another pool
+            self._whole = self.ledger is None and self.engine.step_count <= 1
+            self.ledger, self._pool = PageWriteLedger(pool.num_pages, pool.page_size), pool
+        return self.ledger
+
+    def _forget(self) -> None:
+        if self.ledger is not None:
+            for rid in self._ended:
+                self.ledger.forget(rid)
+        self._ended.clear()
+
+    # ---- every step: hits against the ledger, the step's writes, the index against the ledger ----
+    def on_step(self, e: StepFinished) -> None:
+        eng = self.engine
+        rec = eng.step_record
+        if rec is None or rec.step != e.step:
+            return
+        led = self._ledger()
+        rows = list(zip(rec.request_ids, rec.token_ids or [()] * rec.num_rows, rec.computed.tolist(),
+                        rec.scheduled.tolist(), rec.pages))
+        checked0 = led.positions_checked
+        slots = rec.array("slot_mapping")
+        prev = None
+        if slots is not None and eng.pool.enable_prefix_caching:
+            ok = (slots >= 0) & (slots < len(led.writer))
+            prev = (slots[ok], led.writer[slots[ok]].copy())      # who held the slots before this step
+        bad = {}
+        for m in led.step(rows, slots):
+            bad[m.request] = m.page
+            self._report_hit(m, e.step)
+        self.hits_checked += led.positions_checked - checked0
+        for rid, lo, hi in led.verified:
+            self.rows.append({"step": e.step, "request_id": rid, "cached_tokens": hi - lo, "from_position": lo,
+                              "bad_page": bad.get(rid)})
+        if len(self.rows) > 100_000:
+            del self.rows[:50_000]
+        if prev is not None and len(prev[0]):
+            self._audit_index(prev, e.step)
+        self._forget()
+
+    def _report_hit(self, m, step: int) -> None:
+        ps = self.ledger.page_size
+        if m.written_pos // ps != m.page_index:
+            why = (f"request {m.written_by} wrote it as its page {m.written_pos // ps} (position {m.written_pos}), "
+                   f"here it serves page {m.page_index}")
+        elif m.same_tokens:
+            why = (f"request {m.written_by} computed it after other tokens (its history differs from this "
+                   f"request's before position {m.page_index * ps})")
+        else:
+            why = f"request {m.written_by} wrote other tokens there (first differing position {m.position})"
+        self.report(
+            "error", f"request {m.request}: prefix-cache hit on page {m.page} (its page {m.page_index}) is not its "
+                     f"own history: {why}",
+            hint=HINT_HIT, kind="prefix-history", step=step, request_id=m.request, page=m.page,
+            dedup=("prefix-history", m.request, m.page),
+            evidence={"page": m.page, "page_index": m.page_index, "computed_by": m.written_by,
+                      "recorded_index": m.written_pos // ps, "position": m.position, "slot": m.slot,
+                      "same_tokens": m.same_tokens})
+
+    def _audit_index(self, prev, step: int) -> None:
+        """Pages written this step that the index holds must hold what the index says they hold."""
+        pool, led = self.engine.pool, self.ledger
+        ps = led.page_size
+        slots, before = prev
+        pages = slots // ps
+        page_hash = pool.page_hash
+        for p in dict.fromkeys(pages.tolist()):
+            if page_hash[p] is None:
+                continue
+            self.index_pages_checked += 1
+            why = led.audit_page(p, pool.page_index[p], pool.page_tokens[p])
+            if why is None:
+                continue
+            mine = pages == p
+            writer = int(led.writer[slots[mine][0]])           # who wrote into it this step
+            held = sorted(set(before[mine].tolist()) - {-1, writer})
+            if not held:                                       # the slots it overwrote were fresh: the page's others
+                held = sorted(set(led.writer[p * ps:(p + 1) * ps].tolist()) - {-1, writer})
+            self.report(
+                "error", f"page {p} is in the prefix index (as page {pool.page_index[p]} of a cached history) but "
+                         f"request {writer} wrote into it at step {step}: {why}"
+                         + (f"; it held request {held[0]}'s K/V before" if held else ""),
+                hint=HINT_INDEX, kind="prefix-index-stale", step=step, request_id=writer, page=p,
+                dedup=("prefix-index-stale", p),
+                evidence={"page": p, "index_says": pool.page_index[p], "written_by": writer,
+                          "held_before": held[0] if held else None, "why": why})
 
     # ---- registration ----------------------------------------------------------------
     def on_registered(self, e: PagesRegistered) -> None:
@@ -72,10 +174,7 @@ class PrefixCacheProbe(Probe):
             return
         ps = eng.pool.page_size
         where = {p: j for j, p in enumerate(seq.pages)}
-        true = [where.get(p, -1) for p in e.pages]
-        crcs = history_crcs(seq.token_ids, max(true) + 1 if true else 0, ps)
-        gen = eng.pool.generation
-        for p, claimed, j in zip(e.pages, e.page_indices, true):
+        for p, claimed, j in zip(e.pages, e.page_indices, [where.get(p, -1) for p in e.pages]):
             self.registrations_checked += 1
             pool_claim = eng.pool.page_index[p]
             if j < 0 or claimed != j or pool_claim != j or (j + 1) * ps > seq.num_computed_tokens:
@@ -89,58 +188,9 @@ class PrefixCacheProbe(Probe):
                             page=p, dedup=("prefix-registration", seq.request_id, p),
                             evidence={"page": p, "true_index": j, "claimed_index": claimed,
                                       "pool_index": pool_claim, "computed_tokens": seq.num_computed_tokens})
-            if 0 <= j < len(crcs):
-                self._rec[p] = (j, crcs[j], seq.request_id, gen[p])
-        if len(self._rec) > self.max_records:
-            for k in list(self._rec)[: self.max_records // 2]:
-                del self._rec[k]
-
-    # ---- hits ----------------------------------------------------------------------------
-    def on_admitted(self, e: RequestAdmitted) -> None:
-        if e.num_cached_tokens <= 0:
-            return
-        eng = self.engine
-        seq = self._seq(e.request_id, reversed(eng.scheduler.running))
-        if seq is None:
-            return
-        pool, ps = eng.pool, eng.pool.page_size
-        hits = seq.pages[: e.num_cached_tokens // ps]
-        self.rows.append({"step": e.step, "request_id": e.request_id, "hit_pages": len(hits)})
-        if len(self.rows) > 100_000:
-            del self.rows[:50_000]
-        crcs = history_crcs(seq.token_ids, len(hits), ps)
-        for j, p in enumerate(hits):
-            self.hits_checked += 1
-            rec = self._rec.get(p)
-            problems = []
-            if rec is not None and rec[3] == pool.generation[p]:
-                idx, crc, owner, _ = rec
-                if idx != j:
-                    problems.append(f"it was computed as page {idx} of request {owner}, here it serves page {j}")
-                elif j < len(crcs) and crc != crcs[j]:
-                    problems.append(f"request {owner} computed it after other tokens (its history differs from "
-                                    f"this request's in pages 0..{j})")
-            else:
-                owner = None
-            if pool.page_index[p] not in (-1, j):
-                problems.append(f"the pool registered it as page {pool.page_index[p]}")
-            tokens = tuple(seq.token_ids[j * ps:(j + 1) * ps])
-            if pool.page_tokens[p] is not None and pool.page_tokens[p] != tokens:
-                problems.append("it holds other tokens")
-            if j > 0 and pool.page_parent[p] is not None and pool.page_parent[p] != pool.page_hash[hits[j - 1]]:
-                problems.append(f"its parent hash is not the hash of the page before it ({hits[j - 1]})")
-            if problems:
-                self.report(
-                    "error", f"request {seq.request_id}: prefix-cache hit on page {p} (its page {j}) is not its own "
-                             f"history: {'; '.join(problems)}" + (f" (computed by request {owner})" if owner is not None
-                                                                  else ""),
-                    hint=HINT_HIT, kind="prefix-history", step=e.step, request_id=seq.request_id, page=p,
-                    dedup=("prefix-history", seq.request_id, p),
-                    evidence={"page": p, "page_index": j, "computed_by": owner, "problems": problems,
-                              "recorded_index": rec[0] if rec else None})
-                return                               # one finding per admission: the rest follow from it
 
     def frame(self):
-        """One row per admission with prefix-cache hits: the request and how many pages it reused."""
+        """One row per request whose cached positions were checked (a prefix-cache hit): how many, from
+        where, and the first page that held another history (None: all its own)."""
         import pandas as pd
-        return pd.DataFrame(self.rows, columns=["step", "request_id", "hit_pages"])
+        return pd.DataFrame(self.rows, columns=["step", "request_id", "cached_tokens", "from_position", "bad_page"])

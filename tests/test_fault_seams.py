@@ -41,7 +41,7 @@ def test_a_fault_reaching_past_the_seams_is_refused(tiny_llama_dir):
     before = eng.scheduler._preempt
     f = PrivateReach(eng)
     with pytest.raises(TypeError, match=r"PrivateReach: Scheduler\._preempt is not a declared fault seam "
-                                        r"\(declared: none\)"):
+                                        r"\(declared: \['finish'\]\)"):
         f.enable()
     f.disable()
     assert eng.scheduler._preempt == before and "build" not in vars(eng.builder)

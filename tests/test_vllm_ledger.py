@@ -125,3 +125,16 @@ def test_a_resumed_request_whose_blocks_are_appended_is_caught_naming_it(hybrid,
     assert f.request_id in r.result["preempted"], (f.message, r.result["preempted"])   # the resumed request
     assert f.evidence["index"] == 0 and f.evidence["got"] != f.evidence["want"]
     assert "kv_cache_group" in f.evidence
+
+
+def test_a_request_the_add_path_never_queues_is_named_lost(models, tmp_path):
+    # The same books as our engine's request_lifecycle probe (probes/request_books.py): r2 is handed
+    # to Scheduler.add_request, which records it and never queues it. vLLM keeps it unfinished and
+    # schedules nothing for it (the run ends at --max-steps with r2 not finished); it is named lost.
+    args = ("--model", models["plain"], "--requests", "4", "--max-tokens", "8", "--max-steps", "120")
+    r = run_inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "add_loses_request")})
+    assert r.rc == 0, r.log[-3000:]
+    assert "r2" not in r.result["finished"] and {"r0", "r1", "r3"} <= set(r.result["finished"])
+    lost = [f for f in r.at_least("error") if f.kind == "request-lost"]
+    assert [f.request_id for f in lost] == ["r2"], [f.message for f in r.findings]
+    assert lost[0].evidence["last_place"] == "intake" and lost[0].probe == "request_lifecycle"

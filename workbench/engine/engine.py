@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .generate import generate, score
 from .intake import RequestIntake
 from .kv_cache import torch_dtype
+from .live_requests import LiveRequests
 from .model_runner import ModelRunner
 from .model_setup import configure
 from .outputs import RequestOutput, request_output
@@ -60,7 +61,7 @@ class Engine:
         self.step_count = 0
         self.step_record: StepRecord | None = None          # the last step's (or score's), from its prepare
         self._idle = True                                   # EngineIdle is emitted on the way into idle
-        self._seqs: dict[int, Sequence] = {}
+        self.requests = LiveRequests()                      # what abort() can reach (live_requests.py)
         self.intake = RequestIntake(self.tokenizer, mc.vocab_size)   # validation, the thread-safe inbox
         # Consumers the config asks for (capture_trace) subscribe to the bus like any other;
         # the engine names them by module path only (consumers.py) and imports none of them.

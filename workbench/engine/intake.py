@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -19,9 +20,16 @@ from .outputs import RequestRejected
 
 
 class RequestIntake:
+    # Fault seams: `drain` (an intake that drops what it took off the inbox: intake_loses_request).
+    FAULT_SEAMS = frozenset({"drain"})
+
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()      # ("add", Sequence) | ("abort", request id)
+        # ("add", Sequence) | ("abort", request id), under a lock of its own (held for an append or a
+        # pop, never across a step) so that pending() can list it: the request_lifecycle probe's
+        # "queued for intake" place is read from here, not from a count the intake keeps.
+        self.inbox: deque = deque()
+        self._inbox_lock = threading.Lock()
         self.notices: queue.SimpleQueue = queue.SimpleQueue()    # (request id, prompt length, why) rejected
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
@@ -56,17 +64,24 @@ class RequestIntake:
             return next(self._ids)
 
     def add(self, seq) -> None:
-        self.inbox.put(("add", seq))
+        with self._inbox_lock:
+            self.inbox.append(("add", seq))
 
     def abort(self, request_id: Any) -> None:
         # The engine issues ids from 0 up: a negative one (generate()'s keys for rejected prompts,
         # score()'s scratch sequences, lock_storm's streams) names nothing to finish, and queueing
         # it would hold has_unfinished() true and EngineIdle off.
         if not (isinstance(request_id, int) and request_id < 0):
-            self.inbox.put(("abort", request_id))
+            with self._inbox_lock:
+                self.inbox.append(("abort", request_id))
 
     def empty(self) -> bool:
-        return self.inbox.empty()
+        return not self.inbox
+
+    def pending(self) -> list:
+        """The request ids of the adds queued now, in order (a copy, for the lifecycle accounting)."""
+        with self._inbox_lock:
+            return [item.request_id for kind, item in self.inbox if kind == "add"]
 
     def drain_notices(self) -> list[tuple]:
         out = []
@@ -77,10 +92,7 @@ class RequestIntake:
     def drain(self) -> list[tuple[str, Any]]:
         """What was queued when the call began, no more: submitters that keep the inbox full (a storm
         of add + abort) must not keep the step draining forever."""
-        out = []
-        for _ in range(self.inbox.qsize()):
-            try:
-                out.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        with self._inbox_lock:
+            out = list(self.inbox)
+            self.inbox.clear()
         return out

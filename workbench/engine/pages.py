@@ -72,8 +72,10 @@ def hash_chain(parent_hash: int | None, blocks: list[tuple]) -> list[tuple[int, 
 
 
 class PagePool:
-    # Fault seams: `free` (a free that ignores the refcount: free_while_shared).
-    FAULT_SEAMS = frozenset({"free"})
+    # Fault seams: `free` (a free that ignores the refcount: free_while_shared);
+    # `allocate_with_generations` (a hand-out that keeps an evicted page's index entry:
+    # eviction_keeps_index_entry).
+    FAULT_SEAMS = frozenset({"free", "allocate_with_generations"})
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, ops: str = "auto"):
         if num_pages < 1:

@@ -32,6 +32,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    # Fault seams: `finish` (a finish that leaves the request queued: abort_leaves_waiting).
+    FAULT_SEAMS = frozenset({"finish"})
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, ops: str = "auto"):
         self.kv = kv

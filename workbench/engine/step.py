@@ -89,7 +89,7 @@ def run_step(eng) -> list[RequestOutput]:
     with eng.lock:
         produced, finished = eng.scheduler.update_from_output(sched, out, time.perf_counter(), eng.eos_token_ids)
     for seq in finished:
-        del eng._seqs[seq.request_id]
+        eng.requests.forget(seq.request_id)
         lifecycle.emit_finished(bus, eng.step_count, now_ns(), seq)
     outputs.extend(map(eng._output, produced))
     t4 = time.perf_counter_ns()
@@ -114,13 +114,13 @@ def drain_inbox(eng) -> list[RequestOutput]:
     aborted = []
     for kind, item in eng.intake.drain():
         if kind == "add":
-            eng._seqs[item.request_id] = item
+            eng.requests.enter(item)
             eng.scheduler.add(item)
             if bus.wants(RequestArrived):
                 bus.emit(RequestArrived(eng.step_count, now_ns(), item.request_id, item.num_prompt_tokens,
                                         item.params.max_tokens))
         else:
-            seq = eng._seqs.pop(item, None)
+            seq = eng.requests.take(item)
             if seq is not None:
                 aborted.append(seq)
     if not aborted:

@@ -31,8 +31,6 @@ def add_request(eng, prompt: Any, params: SamplingParams | None, request_id: Any
     seq = Sequence(rid, ids, params, user_request_id=request_id,
                    max_len=lifecycle.max_len(len(ids), params.max_tokens, eng.max_model_len, eng.num_pages,
                                              eng.config.page_size))
-    if eng.bus.wants(RequestSubmitted):      # on the caller's thread, before add_request returns
-        eng.bus.emit(RequestSubmitted(eng.step_count, now_ns(), rid, request_id, ids, params, seq.arrival_time))
     lock = eng.table_lock(rid)
     lock.acquire(site="engine.py add_request")
     try:
@@ -40,6 +38,10 @@ def add_request(eng, prompt: Any, params: SamplingParams | None, request_id: Any
         eng.intake.add(seq)
     finally:
         lock.release()
+    # On the caller's thread, before add_request returns, and after the put: whoever hears of the
+    # request can find it queued (the request_lifecycle probe's accounting relies on that order).
+    if eng.bus.wants(RequestSubmitted):
+        eng.bus.emit(RequestSubmitted(eng.step_count, now_ns(), rid, request_id, ids, params, seq.arrival_time))
     return rid
 
 

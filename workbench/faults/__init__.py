@@ -30,6 +30,11 @@ FAULTS = {
     "rank_desync": "workbench.faults.rank_desync:RankDesync",
     "pool_pressure": "workbench.faults.pool_pressure:PoolPressure",
     "admission_refuses_long_prompts": "workbench.faults.admission_refused:AdmissionRefused",
+    "intake_loses_request": "workbench.faults.intake_loses_request:IntakeLosesRequest",
+    "finish_then_abort": "workbench.faults.finish_then_abort:FinishThenAbort",
+    "abort_leaves_waiting": "workbench.faults.abort_leaves_waiting:AbortLeavesWaiting",
+    "eviction_keeps_index_entry": "workbench.faults.eviction_keeps_index_entry:EvictionKeepsIndexEntry",
+    "write_into_cached_page": "workbench.faults.write_into_cached_page:WriteIntoCachedPage",
 }
 
 

@@ -25,6 +25,10 @@ Each reproduces a production bug in the engine users run, where our checks must 
                                request already holds (the `ref_cnt == 0` branch's increment
                                placed inside it): the first holder's free returns the block to
                                the pool while the second still reads it
+  add_loses_request            Scheduler.add_request records request r2 but never queues it (an
+                               enqueue lost in a refactor of the add path): vLLM keeps it
+                               unfinished forever and its client waits; nothing is scheduled
+                               for it, so no check of the pool or the metadata sees it
   resume_appends_blocks        the worker treats a request resumed after preemption as a running
                                one: its new block ids are appended to the old, freed ones
                                instead of replacing them (the runner's resumed_from_preemption
@@ -62,7 +66,7 @@ from dataclasses import replace
 
 FAULTS = ("permuted_block_table_rows", "slot_mapping_off_at_boundary", "abort_keeps_blocks",
           "prefix_hash_ignores_last_token", "admission_refuses_long_prompts", "window_frees_one_block_early",
-          "prefix_hit_skips_ref", "resume_appends_blocks",
+          "prefix_hit_skips_ref", "resume_appends_blocks", "add_loses_request",
           "attention_scale_1_over_d", "attention_decode_misses_newest", "attention_decode_kv_head_slip",
           "attention_page_walk_repeats_page", "kv_write_heads_reversed")
 MATH_FAULTS = FAULTS[-5:]
@@ -163,6 +167,11 @@ def skip_free(switch: FaultSwitch, request) -> bool:
         return False
     status = getattr(request, "status", None)
     return status is not None and "ABORT" in getattr(status, "name", str(status))
+
+
+def lose_at_add(switch: FaultSwitch, request) -> bool:
+    """True when the add path must leave this request out of the queues (request r2 only)."""
+    return switch.on("add_loses_request") and str(getattr(request, "request_id", "")) == "r2"
 
 
 def block_tokens(switch: FaultSwitch, tokens):

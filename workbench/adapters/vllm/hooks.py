@@ -37,6 +37,7 @@ from .attention_watch import AttentionWatch
 from .engine_side import PoolWatch
 from .patching import wrap_family
 from .reporter import Reporter
+from .request_watch import RequestWatch
 from .worker_side import MetadataWatch
 
 _installed = False
@@ -44,10 +45,12 @@ REP: Reporter | None = None
 POOL: PoolWatch | None = None
 META: MetadataWatch | None = None
 ATTN: AttentionWatch | None = None
+REQ: RequestWatch | None = None
+FAULTY = False                 # a fault file is named: the seams are installed
 
 
 def install(settings) -> None:
-    global _installed, REP, POOL, META, ATTN
+    global _installed, REP, POOL, META, ATTN, REQ, FAULTY
     if _installed:
         return
     _installed = True
@@ -55,6 +58,8 @@ def install(settings) -> None:
     POOL = PoolWatch(REP, settings)
     META = MetadataWatch(REP, settings)
     ATTN = AttentionWatch(REP, settings, META)
+    REQ = RequestWatch(REP)
+    FAULTY = bool(settings.fault_file)
     seams = (("fault seams", _seams),) + ((("attention fault seams", _attention_seams),) if settings.fault_file else ())
     for name, fn in (("engine core hooks", _engine_core), ("worker hooks", _worker), *seams):
         try:
@@ -114,14 +119,33 @@ def _engine_core() -> None:
         def hook(self, scheduler_output, *a, outer, **kw):
             out = orig(self, scheduler_output, *a, **kw)
             if outer:
+                _guard("request books", REQ.on_update, self, out)
                 _guard("pool check", POOL.on_update, self, scheduler_output, out)
+            return out
+        return hook
+
+    def add_request(orig):
+        def hook(self, request, *a, outer, **kw):
+            new = outer and request.request_id not in self.requests
+            out = orig(self, request, *a, **kw)
+            if new:
+                _guard("request books", REQ.on_add, self, request)
+                if FAULTY:                            # the add_loses_request seam: only with a fault file
+                    _guard("fault seam (add)", _lose_at_add, self, request)
             return out
         return hook
 
     _need(wrap_family(Scheduler, "schedule", schedule), "Scheduler.schedule")
     _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
+    wrap_family(Scheduler, "add_request", add_request)
+    wrap_family(Scheduler, "finish_requests", _after("request books", REQ.on_finish_requests))
     # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
     wrap_family(Scheduler, "__init__", _after("status", lambda sched, _: POOL.on_scheduler_ready(sched)))
+
+
+def _lose_at_add(scheduler, request) -> None:
+    if faults.lose_at_add(META.switch, request):
+        scheduler.waiting.remove_request(request)
 
 
 def _runner_bases() -> list[type]:

@@ -20,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from probes import invariants
+from probes.request_books import HINTS as REQUEST_HINTS
 from workbench.step_record import StepRecord
 
 PROBE_METADATA = "vllm_metadata"
@@ -56,6 +57,7 @@ HINTS = {
                "the waiting queue blocking the rest)",
     "check-inactive": "a check that should run on this path has not: see the plugin's status lines in vLLM's log "
                       "(`kvwb vllm status`) for the hook it waits on",
+    **{f"request-{k}": v for k, v in REQUEST_HINTS.items()},
 }
 
 
