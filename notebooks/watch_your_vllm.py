@@ -16,7 +16,7 @@
 # - **`/metrics`**: vLLM's own KV-cache usage, running / waiting, preemptions and prefix-cache hits.
 #
 # **On your own server** there are two settings to add, then connect from a notebook
-# (`pip install --no-deps -e /path/to/this/checkout` in vLLM's environment first):
+# (`pip install pagedkv_workbench-*.whl`, built by `make wheel`, in vLLM's environment first):
 #
 # ```bash
 # PAGEDKV_VLLM_SANITIZER=tcp://127.0.0.1:5590 \

@@ -84,12 +84,14 @@ class PageWriteLedger:
         self.verified: list[tuple] = []
 
     # ---- one step ------------------------------------------------------------------------------
-    def step(self, rows, slot_mapping: np.ndarray) -> list[Mismatch]:
+    def step(self, rows, slot_mapping: np.ndarray, strict: bool = False) -> list[Mismatch]:
         """Check, then record, one step. rows: per batch row (request id, tokens, computed before the
         step, tokens scheduled, its page list), in the slot mapping's order. Positions a request has
         not written or checked since it was (re)admitted and that lie before its computed count (a
         prefix-cache hit) are checked against the slots its page list names; then this step's
-        positions are recorded at the slots the kernel wrote. Returns the first mismatch per row."""
+        positions are recorded at the slots the kernel wrote. Returns the first mismatch per row.
+        strict: the ledger has watched every write since the pool was new, so a cached position
+        whose slot was never written is a mismatch too (else: written before we watched, unjudged)."""
         ps, nslots = self.page_size, len(self.writer)
         toks, poss, row_of, starts, s0, wrote = [], [], [], [], [], []
         verify = []                                         # (row, first position, end) to check
@@ -140,7 +142,7 @@ class PageWriteLedger:
             slots = np.where(ok_slot, slots, 0)
             got = self.digest[slots]
             known = self.writer[slots] >= 0
-            bad = ok_slot & known & (got != d[a:a + (hi - lo)])
+            bad = ok_slot & (known | strict) & (got != d[a:a + (hi - lo)])
             self.positions_checked += int(np.count_nonzero(known))
             self.verified.append((rid, lo, hi))
             if bad.any():

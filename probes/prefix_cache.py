@@ -104,7 +104,7 @@ class PrefixCacheProbe(Probe):
             ok = (slots >= 0) & (slots < len(led.writer))
             prev = (slots[ok], led.writer[slots[ok]].copy())      # who held the slots before this step
         bad = {}
-        for m in led.step(rows, slots):
+        for m in led.step(rows, slots, strict=self._whole):
             bad[m.request] = m.page
             self._report_hit(m, e.step)
         self.hits_checked += led.positions_checked - checked0
@@ -119,7 +119,10 @@ class PrefixCacheProbe(Probe):
 
     def _report_hit(self, m, step: int) -> None:
         ps = self.ledger.page_size
-        if m.written_pos // ps != m.page_index:
+        if m.written_by is None:
+            why = (f"nothing was ever written to its slot for position {m.position} (the page was entered in "
+                   f"the index or mapped before its K/V was computed)")
+        elif m.written_pos // ps != m.page_index:
             why = (f"request {m.written_by} wrote it as its page {m.written_pos // ps} (position {m.written_pos}), "
                    f"here it serves page {m.page_index}")
         elif m.same_tokens:

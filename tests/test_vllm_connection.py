@@ -215,3 +215,33 @@ def test_dashboard_builds_without_a_server_and_closes_cleanly():
         dash.close()
         wb.close()
     assert wait_until(lambda: our_threads() <= before), our_threads()
+
+
+def test_a_step_row_without_timings_reaches_the_timelines():
+    # the idle sweep's row has no step time; a row may carry no check time either: the step still
+    # becomes a VllmStepChecked (times None), nothing raises in the listener's thread
+    from workbench.events import VllmStepChecked
+    addr = free_addr()
+    conn = VllmConnection(None, sanitizer=addr)
+    got = []
+    conn.bus.subscribe(VllmStepChecked, got.append)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    pub.connect(addr)
+    lst = conn.sanitizer
+    try:
+        hello = [b"hello", json.dumps({"pid": 1, "process": "EngineCore_DP0", "vllm_version": "0.32"}).encode()]
+        assert wait_until(lambda: (pub.send_multipart(hello), lst.messages)[1], timeout=5)
+        frames = step_frames(7)
+        header = json.loads(frames[1])
+        header.update(step_s=None, check_s=None)
+        pub.send_multipart([b"step", json.dumps(header).encode(), *frames[2:]])
+        pub.send_multipart(step_frames(8))
+        assert wait_until(lambda: len(got) >= 2), lst.errors
+        assert [(e.step, e.step_ns, e.check_ns) for e in got[:2]] == [(7, None, None), (8, 10_000_000, 0)]
+        assert lst.errors == []
+    finally:
+        pub.close(0)
+        ctx.term()
+        conn.close()

@@ -3,12 +3,15 @@ the listener's check-inactive judgement, `kvwb vllm status`, and the kvwb_vllm_c
 gauge over a real HTTP scrape. The same parts inside a real vLLM: test_vllm_step_paths.py."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
 from types import SimpleNamespace as NS
 
 import pytest
+
+from pathlib import Path
 
 from workbench.adapters.vllm import settings
 from workbench.adapters.vllm.faults import read_fault_file
@@ -17,7 +20,7 @@ import numpy as np
 from workbench.adapters.vllm import sanitizer
 from workbench.adapters.vllm.ledger import BlockLedger, GroupRule
 from workbench.adapters.vllm.patching import wrap_family
-from workbench.adapters.vllm.server import free_port
+from workbench.adapters.vllm.server import free_port, vllm_python
 
 
 # ---- settings and fault files -------------------------------------------------------------
@@ -257,3 +260,49 @@ def test_status_command_says_when_nothing_is_heard(capsys):
     assert "nothing heard" in capsys.readouterr().err
     assert main(["vllm", "status", "--sanitizer", "tcp://10.0.0.1:5590", "--wait", "0.2"]) == 2
     assert "binds only 127.0.0.1" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SEAMS_PROBE = r'''
+import json, sys
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+own = kv_cache_utils.hash_block_tokens
+from workbench.adapters.vllm import hooks, settings
+hooks.install(settings.read())
+mark = "__pagedkv_wrapped__"
+fns = {"_free_request_blocks": Scheduler._free_request_blocks, "allocate_slots": KVCacheManager.allocate_slots,
+       "touch": BlockPool.touch}
+print("RESULT " + json.dumps({
+    "hash_is_vllms": kv_cache_utils.hash_block_tokens is own,
+    "hash_reaches_vllms": getattr(kv_cache_utils.hash_block_tokens, "__wrapped__", None) is own,
+    "hash_name": kv_cache_utils.hash_block_tokens.__name__,
+    "wrapped": sorted(k for k, f in fns.items() if getattr(f, mark, False)),
+    "checks_wrapped": bool(getattr(Scheduler.schedule, mark, False)),
+    "schedule_reaches_vllms": hasattr(Scheduler.schedule, "__wrapped__")}))
+'''
+
+
+@pytest.mark.skipif(not vllm_python().exists(), reason=f"no vLLM environment at {vllm_python()}")
+@pytest.mark.parametrize("with_fault_file", [False, True])
+def test_fault_seams_are_installed_only_with_a_fault_file(tmp_path, with_fault_file):
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
+    env["PAGEDKV_VLLM_SANITIZER"] = "tcp://127.0.0.1:5599"
+    if with_fault_file:
+        (tmp_path / "f.json").write_text('{"faults": []}')
+        env["PAGEDKV_VLLM_FAULT_FILE"] = str(tmp_path / "f.json")
+    p = subprocess.run([str(vllm_python()), "-c", SEAMS_PROBE], cwd=str(ROOT), env=env, capture_output=True,
+                       text=True, timeout=300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, p.stdout[-2000:] + p.stderr[-3000:]
+    r = json.loads(lines[-1][7:])
+    assert r["checks_wrapped"] and r["schedule_reaches_vllms"]          # the checks' hooks: functools.wraps
+    if with_fault_file:
+        assert not r["hash_is_vllms"] and r["hash_reaches_vllms"] and r["hash_name"] == "hash_block_tokens"
+        assert r["wrapped"] == ["_free_request_blocks", "allocate_slots", "touch"]
+    else:
+        assert r["hash_is_vllms"] and r["wrapped"] == []                   # vLLM's own functions, untouched

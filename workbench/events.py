@@ -219,8 +219,8 @@ class VllmStepChecked(Event):
     running: int
     waiting: int
     hashed: int                   # blocks carrying a prefix hash
-    step_ns: int                  # the step's own time
-    check_ns: int                 # the plugin's time on it
+    step_ns: int | None           # the step's own time (None: not known, e.g. an idle sweep's row)
+    check_ns: int | None          # the plugin's time on it (None: not known)
 
 
 @dataclass(slots=True)

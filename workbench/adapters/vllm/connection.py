@@ -41,10 +41,12 @@ class VllmConnection:
     # ---- events --------------------------------------------------------------------------
     def _on_step(self, row: dict) -> None:
         if self.bus.wants(VllmStepChecked):
+            # a row may lack its timings (the idle sweep's has no step time; an older plugin's may have
+            # none): the step is still on the timelines, its times None
             self.bus.emit(VllmStepChecked(int(row["step"]), int(row["t"] * 1e9), int(row["num_blocks"]),
                                           int(row["num_free"]), int(row["running"]), int(row["waiting"]),
-                                          int(row.get("hashed") or 0), int(row["step_s"] * 1e9),
-                                          int(row["check_s"] * 1e9)))
+                                          int(row.get("hashed") or 0), _ns(row.get("step_s")),
+                                          _ns(row.get("check_s"))))
 
     def _on_batch(self, batch) -> None:
         t = int(batch.ts * 1e9)
@@ -164,3 +166,7 @@ class VllmConnection:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _ns(seconds) -> int | None:
+    return None if seconds is None else int(seconds * 1e9)

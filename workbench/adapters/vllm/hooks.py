@@ -15,13 +15,14 @@ On what every step path and every model runner shares (issue 26):
                 prepare_inputs for its row order; initialize_kv_cache for the status line
                 and, once the KV cache exists, each attention layer's impl.forward (the
                 attention check, attention_watch.py: an instance attribute per layer).
-  fault seams   Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
+  fault seams   (only when PAGEDKV_VLLM_FAULT_FILE names a file; otherwise no vLLM function is
+                replaced for fault injection) Scheduler._free_request_blocks (faults.py's abort leak), kv_cache_utils.
                 hash_block_tokens (its prefix-hash fault), KVCacheManager.allocate_slots
                 (its admission fault), SlidingWindowManager.get_num_skipped_tokens (the
                 window fault), BlockPool.touch (the hit-reference fault), the SchedulerOutput
                 execute_model hands the runner (the resume fault); AttentionImpl.forward and
-                do_kv_cache_update (the attention math faults), installed only when a fault
-                file is named, so that a production server's attention path carries no seam.
+                do_kv_cache_update (the attention math faults). The add_loses_request fault
+                lives in the request books' Scheduler.add_request hook, acting only with a fault file.
 
 A hook whose target vLLM lacks (another version) is skipped with a status line saying so;
 the rest install. Every callback runs inside try/except: an exception of ours is one log
@@ -29,6 +30,7 @@ line, and vLLM's own call always runs with vLLM's own arguments.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from . import faults
@@ -60,7 +62,9 @@ def install(settings) -> None:
     ATTN = AttentionWatch(REP, settings, META)
     REQ = RequestWatch(REP)
     FAULTY = bool(settings.fault_file)
-    seams = (("fault seams", _seams),) + ((("attention fault seams", _attention_seams),) if settings.fault_file else ())
+    # the fault seams replace vLLM functions: only when a fault file is named (a test, a notebook), never
+    # in a production server, whose functions stay vLLM's own
+    seams = (("fault seams", _seams), ("attention fault seams", _attention_seams)) if settings.fault_file else ()
     for name, fn in (("engine core hooks", _engine_core), ("worker hooks", _worker), *seams):
         try:
             fn()
@@ -287,6 +291,7 @@ def _seams() -> None:
     # the block hasher looks hash_block_tokens up in its module at each call
     hash_block_tokens = kv_cache_utils.hash_block_tokens
 
+    @functools.wraps(hash_block_tokens)          # vLLM's function stays reachable (__wrapped__)
     def hashed(hash_function, parent_block_hash, curr_block_token_ids, *a, **kw):
         try:
             curr_block_token_ids = faults.block_tokens(META.switch, curr_block_token_ids)
