@@ -29,6 +29,17 @@ def test_committed_notebook_has_no_outputs(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name} cell {i} carries outputs"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_opens_on_the_projects_kernel(path):
+    # the kernel `make lab` installs (Makefile KERNEL_NAME): JupyterLab opens the notebook on it, with
+    # no "Select Kernel" dialog; the tests still run each on this interpreter (kernel_name="python3")
+    spec = nbformat.read(path, as_version=4).metadata.get("kernelspec")
+    assert spec == {"display_name": "PagedKV Workbench", "language": "python", "name": "pagedkv-workbench"}, \
+        f"{path.name} kernelspec {spec!r}"
+    make = (NB_DIR.parent / "Makefile").read_text()
+    assert "KERNEL_NAME   := pagedkv-workbench" in make and '--display-name "PagedKV Workbench"' in make
+
+
 def test_jupytext_toml_pairs_every_notebook_with_a_percent_py():
     from jupytext.config import find_jupytext_configuration_file, load_jupytext_configuration_file
     from jupytext.formats import long_form_multiple_formats

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import faults, sanitizer
 from . import status as st
+from .host_copy import HostCopies
 from .ledger import BlockLedger
 
 CHECKED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
@@ -66,6 +67,7 @@ class MetadataWatch:
         self.group_checks: dict[int, int] = {}     # KV cache group -> metadata checks run on it
         self.check_s = 0.0
         self._cost_sent = time.monotonic()
+        self.copies = HostCopies()       # device tensors to the host without a stream sync
 
     # ---- the hooks' callbacks -------------------------------------------------------------
     def on_runner_ready(self, runner) -> None:
@@ -80,6 +82,8 @@ class MetadataWatch:
                                        path, "; ".join(left) if ok else "no KV cache group it can check"))
 
     def on_execute(self, runner, so, dummy: bool) -> None:
+        if self.copies.pending:
+            self.judge_landed()                         # last execution's device copies, landed by now
         self.runner, self.req_ids = (None if dummy else runner), None   # a dummy run's builds are not a batch
         if so is None or dummy or so is self.last_so:
             return
@@ -137,6 +141,8 @@ class MetadataWatch:
         return 0 if len(groups) == 1 else None
 
     def check(self, builder, cm) -> None:
+        if self.copies.pending:
+            self.judge_landed()
         g = self._group(builder)
         if g is None or g in self.done_groups:
             return
@@ -172,27 +178,52 @@ class MetadataWatch:
         t = int(qsl[n])                                  # real tokens; padding after them is not read
         kv_cfg = getattr(self.runner, "kv_cache_config", None)
         num_blocks = getattr(kv_cfg, "num_blocks", None)
-        positions = None if getattr(cm, "positions", None) is None else _np(cm.positions, t)
-        common = dict(query_start_loc=qsl[:n + 1], seq_lens=_np(cm.seq_lens, n), positions=positions)
-        # the step as a StepRecord (workbench/step_record.py), checked by the probes' own invariants
-        if kernel_bs == bs:
-            records = [sanitizer.vllm_record(self.executions, req_ids, starts, q, pages, bs, num_blocks,
-                                             block_table=_np(cm.block_table_tensor, n),
-                                             slot_mapping=_np(cm.slot_mapping, t), **common)]
-        else:
+        stride = None
+        if kernel_bs != bs:
             # the kernel reads kernel blocks: manager block b is b * stride + j, j < bs / kernel_bs
             # (AttentionGroup.map_to_kernel_block_table); the K/V write keeps the manager's slots
             stride = kernel_stride(self.runner, bs // kernel_bs,
                                    lambda ag: builder in (getattr(ag, "metadata_builders", None) or ()))
-            kpages = [kernel_pages(p, bs // kernel_bs, stride) for p in pages]
-            records = [sanitizer.vllm_record(self.executions, req_ids, starts, q, kpages, kernel_bs,
-                                             None if num_blocks is None else num_blocks * stride,
-                                             block_table=_np(cm.block_table_tensor, n)),
-                       sanitizer.vllm_record(self.executions, req_ids, starts, q, pages, bs, num_blocks,
-                                             slot_mapping=_np(cm.slot_mapping, t), **common)]
-        found = [f for r in records for f in sanitizer.record_findings(r)]
-        self.last_records = [r.freeze() for r in records]   # vLLM reuses its CPU buffers: kept, they are copies
+        # the device tensors the kernels read, copied without blocking the stream (host_copy.py):
+        # judged now on the host (the CPU build), at a later execution once a device's copies land
+        snap = self.copies.take(
+            {"seq_lens": (cm.seq_lens, n), "block_table": (cm.block_table_tensor, n),
+             "slot_mapping": (cm.slot_mapping, t),
+             "positions": None if getattr(cm, "positions", None) is None else (cm.positions, t)},
+            payload=(self.executions, g, list(req_ids), starts, q, pages, bs, kernel_bs, num_blocks, stride,
+                     np.array(qsl[:n + 1], copy=True)))
         self.since_check = 0
+        self.check_s += time.perf_counter() - t0
+        if snap.ready() and snap not in self.copies.pending:
+            self._judge(snap)
+
+    def judge_landed(self) -> None:
+        """The deferred checks whose copies have landed (a device's), oldest first."""
+        for p in self.copies.completed():
+            try:
+                self._judge(p)
+            finally:
+                self.copies.release(p)
+
+    def _judge(self, snap) -> None:
+        t0 = time.perf_counter()
+        execution, g, req_ids, starts, q, pages, bs, kernel_bs, num_blocks, stride, qsl = snap.payload
+        a = snap.arrays()
+        common = dict(query_start_loc=qsl, seq_lens=a["seq_lens"], positions=a["positions"])
+        # the step as a StepRecord (workbench/step_record.py), checked by the probes' own invariants
+        if kernel_bs == bs:
+            records = [sanitizer.vllm_record(execution, req_ids, starts, q, pages, bs, num_blocks,
+                                             block_table=a["block_table"], slot_mapping=a["slot_mapping"],
+                                             **common)]
+        else:
+            kpages = [kernel_pages(p, bs // kernel_bs, stride) for p in pages]
+            records = [sanitizer.vllm_record(execution, req_ids, starts, q, kpages, kernel_bs,
+                                             None if num_blocks is None else num_blocks * stride,
+                                             block_table=a["block_table"]),
+                       sanitizer.vllm_record(execution, req_ids, starts, q, pages, bs, num_blocks,
+                                             slot_mapping=a["slot_mapping"], **common)]
+        found = [f for r in records for f in sanitizer.record_findings(r)]
+        self.last_records = [r.freeze() for r in records]   # kept: their arrays are copies already
         self.checks += 1
         self.group_checks[g] = self.group_checks.get(g, 0) + 1
         self.check_s += time.perf_counter() - t0
