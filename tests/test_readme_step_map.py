@@ -1,4 +1,4 @@
-"""The README's map of a step names files and functions that exist (issue 30: a map kept true).
+"""The docs' map of a step (docs/design/step-map.md) names files and functions that exist: a map kept true.
 
 Every backticked path in the "One step, file by file" table must exist under workbench/, and every
 backticked name in the same cell must be defined in the file named before it (a class, function or
@@ -10,9 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def table_rows():
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## One step, file by file")
-    end = text.index("\n#", start + 5)
+    text = (ROOT / "docs" / "design" / "step-map.md").read_text()
+    start = text.index("# One step, file by file")
+    end = text.find("\n#", start + 5)
+    end = len(text) if end < 0 else end
     return [line for line in text[start:end].splitlines() if line.startswith("| ") and line[2].isdigit()]
 
 

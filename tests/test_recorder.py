@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.events import EventLog
+from workbench.event_log import EventLog
 from workbench.recorder.reader import RecordingError, open_recording
 from workbench.recorder.ring import SegmentRing
 from workbench.trace.readers import read_trace

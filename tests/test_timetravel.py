@@ -2,7 +2,7 @@
 import numpy as np
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.events import EventLog
+from workbench.event_log import EventLog
 from workbench.trace.timetravel import PoolState, TimeTravel
 
 

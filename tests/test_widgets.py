@@ -360,7 +360,8 @@ def test_the_ring_goes_with_its_finding():
 def test_non_finite_kv_is_drawn_as_overflow_never_sent_as_nan(max_points):
     # K/V that went inf or NaN (past fp16's range) have the worst headroom there is: the heatmap draws
     # them above the scale's top, and the figure carries no NaN (not JSON: the kernel warns on each message).
-    from workbench.events import EventBus, EventLog, KVWritten
+    from workbench.event_log import EventLog
+    from workbench.events import EventBus, KVWritten
     from workbench.widgets.timelines import NONFINITE_LOG10, Timelines
     bus = EventBus()
     tl = Timelines(EventLog(bus), max_points=max_points)

@@ -1,4 +1,4 @@
-"""Typed engine events and the bus they travel on (the EventLog that keeps them: event_log.py).
+"""Typed engine events and the bus they travel on (the EventLog that keeps them: event_log.py, above this one).
 
 The engine emits; probes, the log and widgets subscribe. Emission sites are written
 
@@ -347,10 +347,3 @@ def _row_getter(t: type) -> tuple:
     return got
 
 
-def __getattr__(name: str):
-    """EventLog, the log that keeps the events, lives in event_log.py, which imports this module: it is
-    handed out from here on first use, so either module may be imported first."""
-    if name == "EventLog":
-        from .event_log import EventLog
-        return EventLog
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

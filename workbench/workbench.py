@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .events import EventLog, StepFinished
+from .event_log import EventLog
+from .events import StepFinished
 from .findings import SEVERITY_RANK, Finding, findings_frame
 
 

@@ -56,8 +56,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if any(not getattr(x, "has_logprobs", True) for x in (a, b)):
             pass                                      # a recording brings its own requests
         elif args.prompts:
-            from workbench.trace import read_trace
-            prompts = [r.prompt_token_ids for r in read_trace(args.prompts) if r.prompt_token_ids][:args.limit]
+            from workbench.recorder.reader import load_trace
+            prompts = [r.prompt_token_ids for r in load_trace(args.prompts) if r.prompt_token_ids][:args.limit]
             if not prompts:
                 raise ValueError(f"{args.prompts}: no request with prompt token ids")
         else:

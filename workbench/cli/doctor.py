@@ -32,7 +32,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["device"] = str(dev)
     report["device_name"] = dev_mod.device_name(dev)
     report["dtypes"] = dev_mod.supported_dtypes(dev)
-    peaks = dev_mod.peak_figures(dev, refresh=refresh)
+    from workbench.engine.peaks import peak_figures
+    peaks = peak_figures(dev, refresh=refresh)
     report["bandwidth_gbs"] = peaks["bandwidth_gbs"]
     report["matmul_gflops"] = peaks["matmul_gflops"]
     report["peaks_source"] = peaks["source"]
@@ -46,7 +47,7 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     from workbench.engine.attention import native
     # What a default engine on this device would run (engine.kernels is the same, read from a real
     # engine): built by the constructors the engine uses, so the rows below cannot disagree with it.
-    from workbench.engine.kernels import selection
+    from workbench.engine import kernel_selection as selection
     try:
         sel = selection.probe(device=dev)
         report["kernel_selection"] = sel.as_dict()
@@ -218,7 +219,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if "error" in ks:
         rows.append(("KernelSelection", f"unknown ({ks['error']})"))
     else:
-        from workbench.engine.kernels import KernelSelection
+        from workbench.engine.kernel_selection import KernelSelection
         sel = KernelSelection(**ks)
         rows.append(("KernelSelection", f"{sel.short()} (what a default engine runs here: engine.kernels)"))
         rows += [(f"  kernel {k}", v) for k, v in sel.rows()]

@@ -30,10 +30,11 @@ def _args_replay(p: argparse.ArgumentParser) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from workbench.engine.config import ConfigError, EngineConfig
-    from workbench.trace import TraceFormatError, read_trace, replay
+    from workbench.recorder.reader import load_trace
+    from workbench.trace import TraceFormatError, replay
 
     try:
-        trace = read_trace(args.trace, format=args.format)
+        trace = load_trace(args.trace, format=args.format)
     except (TraceFormatError, OSError) as e:
         print(f"kvwb replay: {e}", file=sys.stderr)
         return 2

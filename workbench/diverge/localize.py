@@ -22,8 +22,8 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
     """(hidden, found): hidden = {t: (attention outputs [layers, heads x head_dim], hidden states
     [layers, hidden])} for `request` at each output token t in `at`; found = the shadow's (or the
     page_table probe's) first finding on `request` at max(at), or None (also with shadow=False)."""
+    import probes as registry
     from ..engine.instrumentation import add_tap, remove_tap
-    from ..workbench import Workbench
     from .layers import HiddenTap
     from .sides import submit_forced
     nl = engine.model_config.num_layers
@@ -34,8 +34,9 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
     try:                    # whatever fails (a prompt rejected, a step), the probes and the tap come off
         if shadow:
             ctx = max(len(p) + len(t) for p, t in zip(prompts, tokens))
-            wb = Workbench(engine, log=False).attach("shadow", "page_table",
-                                                     shadow={"on_demand": True, "budget": ctx * nl + 1})
+            # the two probes on their own (this module sits below the Workbench facade)
+            wb = {"shadow": registry.probe_class("shadow")(on_demand=True, budget=ctx * nl + 1).attach(engine),
+                  "page_table": registry.probe_class("page_table")().attach(engine)}
         ids = submit_forced(engine, prompts, tokens)
         rid = ids[request]
         tap = HiddenTap(rid, at, nl)
@@ -45,19 +46,20 @@ def forced_run(engine, prompts, tokens, request: int, at, shadow: bool = True) -
             if not asked:
                 seq = next((s for s in engine.live_sequences() if s.request_id == rid), None)
                 if seq is not None and seq.num_output_tokens == token:
-                    wb.probe("shadow").check_now(request_id=rid, layer=nl - 1)
+                    wb["shadow"].check_now(request_id=rid, layer=nl - 1)
                     asked = True
             engine.step()
         if wb is not None:
             # the shadow's dense recompute first; a page table the shadow cannot follow (ids outside the
             # pool) is the page_table probe's to name
-            found = [f for f in wb.probe("shadow").findings + wb.probe("page_table").findings
+            found = [f for f in wb["shadow"].findings + wb["page_table"].findings
                      if f.severity in ("error", "critical") and f.request_id == rid]
     finally:
         if tap is not None:
             remove_tap(engine, tap)
         if wb is not None:
-            wb.detach()
+            for p in wb.values():
+                p.detach()
         for r in ids:
             engine.abort(r)
         while ids and engine.has_unfinished():      # the aborts take effect at the next step

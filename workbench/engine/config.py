@@ -7,6 +7,7 @@ note 8), a pool sized from the wrong length wastes gigabytes (field note 10).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Callable
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",) + DTYPES + ("fp16_scaled",)
@@ -160,6 +161,13 @@ class EngineConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+# Whether torch_npu's ops can run here (the real module, or its CPU double installed or asked for with
+# PAGEDKV_NPU_DOUBLE=1): answered by device.py, the layer that discovers devices, which sets this when
+# it is imported (the engine package imports it before any EngineConfig is built). Config sits below
+# the device layer and the environment table, so it asks through this seam instead of importing them.
+npu_ops_available: Callable[[], bool] | None = None
+
+
 def check_npu(cfg: EngineConfig) -> None:
     """The constraints torch_npu's paged ops document, for a config that runs the npu backend."""
     ps = cfg.page_size
@@ -184,12 +192,11 @@ def check_npu(cfg: EngineConfig) -> None:
             f"kv_cache_dtype={kv!r} with dtype={cfg.dtype!r} cannot run on the npu attention backend: the ops take "
             f"the query and the KV cache in one dtype (float16 or bfloat16); use kv_cache_dtype='auto'")
     if cfg.attention_backend == "npu" and not str(cfg.device).startswith("npu"):
-        from . import device
         dev = str(cfg.device)
         if dev not in ("auto", "cpu") and not dev.startswith("npu"):
             raise ConfigError(f"attention_backend='npu' runs on an NPU, or on device='cpu' through the CPU double "
                               f"of torch_npu's ops; not on device={dev!r}")
-        if device._import_torch_npu() is None:
+        if npu_ops_available is not None and not npu_ops_available():
             raise ConfigError(
                 "attention_backend='npu' needs torch_npu: install torch_npu (and CANN) to run on an Ascend NPU, or "
                 "set PAGEDKV_NPU_DOUBLE=1 to dry-run the npu code path on the CPU through the contract-checking "

@@ -6,7 +6,7 @@ Ascend NPU (``torch_npu``) is the first-class target, then CUDA, then CPU.
 install (missing CANN libraries and the like) counts as "no NPU".
 
 Peak figures (copy bandwidth, matmul throughput, measured and cached) are
-engine/peaks.py; this module re-exports them for its callers.
+engine/peaks.py, a layer above this one (it times the devices found here).
 
 Environment variables (read through engine/env.py, whose table lists every PAGEDKV_* one):
 
@@ -33,7 +33,7 @@ from typing import Any, Union
 
 import torch
 
-from . import env
+from . import config, env, npu_module
 
 __all__ = [
     "DeviceLike",
@@ -46,12 +46,6 @@ __all__ = [
     "Timer",
     "memory_stats",
     "host_memory_stats",
-    "measure_bandwidth_gbs",
-    "measure_matmul_gflops",
-    "cache_dir",
-    "machine_key",
-    "HostLoad",
-    "peak_figures",
     "supported_dtypes",
 ]
 
@@ -66,30 +60,16 @@ _CANDIDATE_DTYPES = ("float32", "bfloat16", "float16")
 # --------------------------------------------------------------------------
 
 
-_real_torch_npu: list = []          # the one probe of the real torch_npu: [module or None]
-
-
-def _import_real_torch_npu():
-    """The real torch_npu (never the CPU double), or None if it is absent or does not load."""
-    if not _real_torch_npu:
-        held = sys.modules.get("torch_npu")
-        if getattr(held, "IS_DOUBLE", False):
-            return None          # the double stands in (installed only where the real one failed)
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except Exception:  # ImportError, OSError (no CANN), RuntimeError, ...
-            torch_npu = None
-        _real_torch_npu.append(torch_npu)
-    return _real_torch_npu[0]
+# the real torch_npu, probed once (npu_module.py: below this module and the double both)
+_import_real_torch_npu = npu_module.import_real_torch_npu
 
 
 def _import_torch_npu():
     """The torch_npu module: the real one; else the CPU double of its paged ops when it is
     installed or PAGEDKV_NPU_DOUBLE=1 (attention/npu_double.py; it has IS_DOUBLE and no
     devices); else None."""
-    held = sys.modules.get("torch_npu")
-    if getattr(held, "IS_DOUBLE", False):
-        return held
+    if npu_module.double_installed():
+        return sys.modules["torch_npu"]
     real = _import_real_torch_npu()
     if real is not None or env.value("PAGEDKV_NPU_DOUBLE") != "1":
         return real
@@ -444,8 +424,5 @@ def supported_dtypes(device: DeviceLike = "auto") -> list[str]:
     return list(_supported_dtypes(str(resolve_device(device))))
 
 
-# The measured peaks live in peaks.py (which imports this module's discovery): re-exported here.
-from .peaks import (BUSY_ATTEMPTS, DEFAULT_BANDWIDTH_BYTES, DEFAULT_BUSY_RETRY_S, DEFAULT_BUSY_SHARE,  # noqa: E402,F401
-                    DEFAULT_MATMUL_N, DEFAULT_PEAK_MAX_AGE_DAYS, DEFAULT_REPEATS, HostLoad, cache_dir,
-                    loadavg_others_share, machine_key, measure_bandwidth_gbs, measure_matmul_gflops,
-                    others_share, peak_figures, proc_ticks)
+# EngineConfig refuses attention_backend="npu" where torch_npu's ops cannot run: it asks here (config.py)
+config.npu_ops_available = lambda: _import_torch_npu() is not None

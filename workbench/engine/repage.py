@@ -3,7 +3,7 @@ backend: stack.py) for another page size, and back. Live requests move like a pr
 released from the old pool, re-queued on the new one, recomputed."""
 from __future__ import annotations
 
-from .kernels.selection import from_engine as kernel_selection
+from .kernel_selection import from_engine as kernel_selection
 from .stack import KVStack, build_stack
 
 

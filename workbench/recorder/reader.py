@@ -59,7 +59,7 @@ class Recording:
 
     def event_log(self):
         """The recorded events in an EventLog, as the live engine's would hold them."""
-        from ..events import EventLog
+        from ..event_log import EventLog
         log = EventLog(max_rows=None)
         self.names: dict[int, str] = {}          # vLLM's request ids are strings: numbered for the pool views
         index: dict = {}
@@ -106,7 +106,7 @@ class Recording:
         so a correct engine with the recorded settings repeats the recorded schedule step for step
         (compare() names the first step where it does not). Returns the replay's EventLog."""
         from ..engine.sequence import SamplingParams
-        from ..events import EventLog
+        from ..event_log import EventLog
         eng = getattr(engine, "engine", engine)
         log = EventLog(eng.bus, max_rows=None)
         todo = sorted(self.requests, key=lambda r: (r.get("step", 0), r.get("arrival_s", 0.0)))
@@ -315,3 +315,17 @@ def open_recording(path, strict: bool = False) -> Recording:
     if not rec.segments:
         raise RecordingError(f"{root}: no segment could be read: {'; '.join(rec.problems[:3])}")
     return rec
+
+
+def load_trace(path, format: str = "auto"):
+    """A request trace from a trace file (trace/readers.py read_trace) or a flight recording (a recorder
+    directory or a frozen bundle: its requests), whichever `path` is; a bad recording is a
+    TraceFormatError naming it, as a bad trace file is."""
+    from ..trace.readers import TraceFormatError, read_trace
+    root = Path(path)
+    if format in ("auto", "recording") and root.is_dir():
+        try:
+            return open_recording(root).trace()
+        except RecordingError as e:
+            raise TraceFormatError(root, None, str(e)) from None
+    return read_trace(path, format="auto" if format == "recording" else format)

@@ -262,13 +262,11 @@ def detect_format(path) -> str:
 def read_trace(path, format: str = "auto") -> Trace:
     """Read a request trace; format "auto" looks at the file's first bytes."""
     path = Path(path)
-    if format in ("auto", "recording") and path.is_dir():
-        # a flight recording (a recorder directory or a frozen bundle): its requests
-        from ..recorder.reader import RecordingError, open_recording
-        try:
-            return open_recording(path).trace()
-        except RecordingError as e:
-            raise TraceFormatError(path, None, str(e)) from None
+    if path.is_dir():
+        # a flight recording is read a layer above this one (workbench/recorder: it builds on traces)
+        raise TraceFormatError(path, None, "a directory, not a trace file: a flight recording is read with "
+                                           "workbench.recorder.load_trace(path) (kvwb replay does), or "
+                                           "Workbench.open(path).trace()")
     if not path.is_file():
         raise TraceFormatError(path, None, "no such file")
     fmt = detect_format(path) if format == "auto" else format

@@ -105,12 +105,11 @@ def replay(trace: Trace, target=None, mode: str = "full", *, time_scale: float =
     model is loaded; simulate: only the pool and scheduler are built)."""
     import pandas as pd
     from ..engine import Engine, EngineConfig
-    from ..events import EventLog
-    from ..workbench import Workbench
+    from ..event_log import EventLog
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: use one of {MODES}")
-    if isinstance(target, Workbench):
-        workbench, target = target, target.engine
+    if not isinstance(target, (Engine, EngineConfig)) and isinstance(getattr(target, "engine", None), Engine):
+        workbench, target = target, target.engine         # a Workbench (above this module: not imported)
     cost = cost or StepCost()
     if mode == "simulate":
         if isinstance(target, Engine):

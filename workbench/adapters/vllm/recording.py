@@ -17,7 +17,9 @@ Everything comes from what the plugin already sees at `Scheduler.schedule` and
   tokens    per step, the new token ids per request from update_from_output's outputs (privacy:
             counts) and the ids that finished: what a divergence triage compares against
   finding   the plugin's findings on this process; one >= error freezes a repro bundle, and so do
-            SIGUSR1 and SIGTERM (then vLLM's own handler runs) and `kvwb dump DIR`
+            SIGUSR1 and SIGTERM (then vLLM's own handler runs) and `kvwb dump DIR`. Bundles are made
+            on the recorder's own thread: a signal handler only records that one was asked for
+            (one bundle per burst of signals), a finding only queues it
 
 The recorded pool follows the SchedulerOutputs: blocks a sliding window frees mid-request are not
 in it (vLLM does not tell the workers either). One directory per engine core process,
@@ -26,9 +28,11 @@ in it (vLLM does not tell the workers either). One directory per engine core pro
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
+from collections import deque
 
 from workbench.recorder.bundle import freeze
 from workbench.recorder.ring import SegmentRing, prompt_fields
@@ -46,6 +50,11 @@ class VllmRecorder:
         self.preemptions = 0
         self._t0_wall = time.time()
         self._frozen_kinds: set = set()
+        self._reasons: deque = deque()            # appended by signal handlers and findings: no lock taken
+        self._pipe: tuple[int, int] | None = None  # the self-pipe a handler writes one byte to
+        self._freezer: threading.Thread | None = None
+        self._term_state = "none"                 # none | asked | frozen | chained
+        self.quiet_s, self.burst_s = 0.25, 2.0
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, scheduler) -> None:
@@ -74,6 +83,13 @@ class VllmRecorder:
         self._signals()
 
     def _signals(self) -> None:
+        """SIGUSR1 and SIGTERM ask for a bundle; they never make one. A handler only appends the
+        signal's name to a deque and writes one byte to a non-blocking self-pipe (no lock, no file):
+        the recorder's own thread (_freezer) freezes, once per burst. SIGTERM's bundle is frozen
+        before the process goes: the freezer re-sends SIGTERM once it is on disk, and the handler then
+        chains to what was installed before us (vLLM's handler, or the default: exit). A second
+        SIGTERM while the first is being frozen chains at once (a supervisor escalating)."""
+        self._start_freezer()
         if threading.current_thread() is not threading.main_thread():
             return                                   # handlers can be set from the main thread only
         for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -81,15 +97,83 @@ class VllmRecorder:
                 prev = signal.getsignal(sig)
 
                 def handler(signum, frame, _prev=prev):
-                    self.freeze(signal.Signals(signum).name)
-                    if callable(_prev):
-                        _prev(signum, frame)
-                    elif _prev == signal.SIG_DFL and signum == signal.SIGTERM:
-                        signal.signal(signum, signal.SIG_DFL)
-                        os.kill(os.getpid(), signum)
+                    if signum == signal.SIGTERM and (self._term_state != "none" or self._freezer is None):
+                        self._term_state = "chained"
+                        _chain(_prev, signum, frame)
+                        return
+                    if signum == signal.SIGTERM:
+                        self._term_state = "asked"
+                    self._reasons.append(signal.Signals(signum).name)
+                    self._poke()
                 signal.signal(sig, handler)
             except (ValueError, OSError):
                 pass
+
+    def _start_freezer(self) -> None:
+        if self._freezer is not None:
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        self._freezer = threading.Thread(target=self._freeze_loop, name="kvwb-recorder-freezer", daemon=True)
+        self._freezer.start()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._pipe[1], b"!")
+        except OSError:                              # the pipe is full: a freeze is already asked for
+            pass
+
+    def _drain(self) -> None:
+        r = self._pipe[0]
+        os.set_blocking(r, False)
+        try:
+            while os.read(r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        finally:
+            os.set_blocking(r, True)
+
+    def request_freeze(self, reason: str) -> None:
+        """A bundle, frozen on the recorder's thread (a finding: never on vLLM's busy loop)."""
+        if self._freezer is None:
+            self.freeze(reason)
+            return
+        self._reasons.append(reason)
+        self._poke()
+
+    def _freeze_loop(self) -> None:
+        """One bundle per burst: after the first request, wait until none came for `quiet_s` (at most
+        `burst_s` in all; SIGTERM does not wait), freeze once for every reason asked, and drop what
+        was asked while it froze (it is in that bundle)."""
+        r = self._pipe[0]
+        while True:
+            try:
+                if not os.read(r, 4096):
+                    return
+            except OSError:
+                return
+            t0 = time.monotonic()
+            while self._term_state != "asked" and time.monotonic() - t0 < self.burst_s:
+                readable, _, _ = select.select([r], [], [], self.quiet_s)
+                if not readable:
+                    break                                # quiet: the burst is over
+                self._drain()
+            reasons = []
+            while self._reasons:
+                x = self._reasons.popleft()
+                if x not in reasons:
+                    reasons.append(x)
+            try:
+                self.freeze("+".join(reasons) or "signal")
+            except Exception as e:                       # never let the thread die: the next ask must work
+                st.problem(f"flight recorder: freeze failed: {type(e).__name__}: {e}")
+            self._drain()
+            self._reasons.clear()
+            if self._term_state == "asked":
+                self._term_state = "frozen"
+                os.kill(os.getpid(), signal.SIGTERM)     # the handler now chains to vLLM's own
 
     # ---- the step ----------------------------------------------------------------------------
     def on_schedule(self, scheduler, so, delta, step: int) -> None:
@@ -194,7 +278,7 @@ class VllmRecorder:
                                                                   "page", "message")}})
         if f.get("severity") == "error" and f.get("kind") not in self._frozen_kinds:
             self._frozen_kinds.add(f.get("kind"))    # one bundle per kind: a storm of one bug is one incident
-            self.freeze(f"finding-{f.get('kind')}")
+            self.request_freeze(f"finding-{f.get('kind')}")   # on the recorder's thread, off the busy loop
 
     def freeze(self, reason: str) -> str | None:
         if self.ring is None:
@@ -211,3 +295,12 @@ class VllmRecorder:
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
+
+
+def _chain(prev, signum, frame) -> None:
+    """What was installed before the recorder's handler: call it, or do the default (exit on SIGTERM)."""
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_DFL and signum == signal.SIGTERM:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

@@ -78,10 +78,10 @@ MASK_SHAPES = ((2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048))
 # ---- install as torch_npu -------------------------------------------------------------------
 def install():
     """Put this module in sys.modules["torch_npu"] and return it; refused when a real torch_npu imports."""
-    from .. import device
+    from ..npu_module import import_real_torch_npu
     if installed():
         return sys.modules["torch_npu"]
-    if device._import_real_torch_npu() is not None:
+    if import_real_torch_npu() is not None:
         raise RuntimeError("a real torch_npu imports here: the CPU double never shadows it")
     sys.modules["torch_npu"] = sys.modules[__name__]
     return sys.modules[__name__]

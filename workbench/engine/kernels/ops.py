@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ATTENTION
+from .extensions import ATTENTION
 
 
 def _kernel():

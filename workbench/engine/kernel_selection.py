@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import env
-from . import trials
-from .cpu import SHOWN_FEATURES, cpu_features, faked_text, machine
-from .extensions import ATTENTION, POOL_OPS, SEQ_OPS, SKINNY_GEMM
+from . import env
+from .kernels import trials
+from .kernels.cpu import SHOWN_FEATURES, cpu_features, faked_text, machine
+from .kernels.extensions import ATTENTION, POOL_OPS, SEQ_OPS, SKINNY_GEMM
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class KernelSelection:
 
 
 def _attention(config, device: torch.device, attn, applied: dict) -> tuple[str, str]:
-    from ..attention import CpuPagedAttention, NpuPagedAttention, TorchFallbackAttention
+    from .attention import CpuPagedAttention, NpuPagedAttention, TorchFallbackAttention
     choice = f"attention_backend={config.attention_backend!r}{env.source(applied, 'attention_backend')}"
     # the CPU module is only loaded (maybe built) for a CPU engine, as rms_norm and get_backend do
     cpu_mod = ATTENTION.get() if device.type == "cpu" else None
@@ -103,7 +103,7 @@ def _pool(config, pool_impl, seq_impl, applied: dict) -> tuple[str, str]:
 
 
 def _bf16(config, device: torch.device, weight_dtype, compute_dtype, attention_dtype, applied: dict) -> tuple[str, str]:
-    from .. import cpu_bf16, skinny_gemm
+    from . import cpu_bf16, skinny_gemm
     said = cpu_bf16.describe(device, config.bf16_mode) + env.source(applied, "bf16_mode")
     if weight_dtype != torch.bfloat16:
         return "off", f"dtype={config.dtype!r}; bfloat16 here would be {said.split(':')[0]}"
@@ -127,8 +127,8 @@ def _cpu() -> str:
 def _try_all() -> None:
     """Every CPU path tried (once per process, milliseconds), whether or not this engine takes it: what
     was refused is then the whole answer to "what can this CPU not do"."""
-    from .. import skinny_gemm
-    from ..attention.cpu_paged import prefill_bf16_dots
+    from . import skinny_gemm
+    from .attention.cpu_paged import prefill_bf16_dots
     for k in (ATTENTION, SKINNY_GEMM, POOL_OPS, SEQ_OPS):
         k.get()
     trials.onednn_linear(torch.float32), trials.onednn_linear(torch.bfloat16)
@@ -164,13 +164,13 @@ def from_engine(engine) -> KernelSelection:
 def probe(config=None, device="cpu") -> KernelSelection:
     """What an engine with `config` would run on `device`, from the constructors an engine uses
     (get_backend, Linear, the pool's loops, cpu_bf16): `kvwb doctor` without loading a model."""
-    from .. import cpu_bf16, pool_ops, seq_ops
-    from ..attention import get_backend
-    from ..config import EngineConfig
-    from ..kv_cache import torch_dtype
-    from ..linear import Linear
-    from ..model import LlamaModel
-    from ..stack import kv_dtypes
+    from . import cpu_bf16, pool_ops, seq_ops
+    from .attention import get_backend
+    from .config import EngineConfig
+    from .kv_cache import torch_dtype
+    from .linear import Linear
+    from .model import LlamaModel
+    from .stack import kv_dtypes
     config, applied = env.apply(config or EngineConfig())        # as the Engine resolves its config
     device = torch.device(device)
     attn = get_backend(device.type, 4, 2, 64, page_size=config.page_size, choice=config.attention_backend)
