@@ -189,6 +189,12 @@ def test_the_layer_curve_names_the_layer_the_corruption_enters(sharp_llama_dir, 
     if i in rep.faults:
         pm = rep.page_map(i)
         assert pm.data[0].z.shape[1] == 16 and np.nanmax(pm.data[0].z) > 0          # the positions at fault marked
+        # one name per screen: the message, the page map and the table name the triage's request i, and
+        # the engine's own id beside it, never the engine's id alone
+        rid = rep.faults[i]["engine_request_id"]
+        assert f"request {i} (engine request {rid})" in rep.faults[i]["message"]
+        assert pm.layout.title.text.startswith(f"request {i} (engine request {rid})")
+        assert f"request {i} (engine request {rid})" in df.evidence[i]
 
 
 def test_a_localising_rerun_that_fails_leaves_no_probe_or_tap_behind(tiny_llama_dir):

@@ -48,6 +48,12 @@ def test_a_long_clean_workload_is_silent_with_every_group_checked(models, kind, 
                    *(["--batch-queue"] if path == "batch-queue" else []))
     assert r.rc == 0, r.log[-3000:]
     assert not r.at_least("warn"), [f.message for f in r.findings]
+    # every per-request structure of the plugin is empty again once every request ended (finished in
+    # update_from_output, aborted, preempted and resumed): nothing grows with the requests served
+    sizes = r.result["plugin_sizes"]
+    assert {k: sizes[k] for k in ("crc", "progress", "progress_t", "ledger_requests", "books_live")} == \
+        dict.fromkeys(("crc", "progress", "progress_t", "ledger_requests", "books_live"), 0), sizes
+    assert sizes["provenance_records"] <= r.result["num_blocks"]           # bounded by the pool, not by history
     # the attention check (issue 37) ran through all of it, one row a step, and stayed silent
     (attn,) = r.attention_costs.values()
     assert attn["checks"] > 100 and attn["max_err"]["read"] < 0.01, attn

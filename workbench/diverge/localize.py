@@ -75,6 +75,7 @@ def _as_fault(f, engine) -> dict:
     ev = f.evidence or {}
     pages = sorted({int(x) for x in ev.get("pages", [])} | ({int(f.page)} if f.page is not None else set()))
     return {"layer": f.layer, "pages": pages, "kind": f.kind, "message": f.message, "probe": f.probe,
+            "engine_request_id": f.request_id,
             "positions": sorted({int(x) for x in ev.get("positions", [])} | ({int(ev["position"])} if "position" in ev
                                                                               else set())),
             "page_size": engine.pool.page_size, "evidence": ev}

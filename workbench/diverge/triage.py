@@ -29,6 +29,8 @@ fill `layer` and `pages` (None where it finds nothing, or for transformers on bo
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,7 +126,8 @@ class TriageReport:
         fig = go.Figure(go.Heatmap(z=z, zmin=0, zmax=2, colorscale=[[0, "#e8f0e8"], [0.5, "#f5b041"], [1, "#c0392b"]],
                                    showscale=False, xgap=1, ygap=1,
                                    hovertemplate="page index %{y}, offset %{x}<extra></extra>"))
-        fig.update_layout(title=f"request {request}, layer {row['layer']}: {f['kind']} "
+        also = f" (engine request {f['engine_request_id']})" if f.get("engine_request_id") is not None else ""
+        fig.update_layout(title=f"request {request}{also}, layer {row['layer']}: {f['kind']} "
                                 f"(page {ev.get('page')}, position {first}); pages {row['pages']}",
                           xaxis_title="offset in page", yaxis_title="page index in its page table",
                           yaxis_autorange="reversed", height=160 + 22 * n)
@@ -183,6 +186,12 @@ def _localize(rep, row, A, B, prompts, tokens, i: int, t: int) -> None:
                                 f"{curve['attn_floor'][L]:.1e})")
     if found is None:
         return
+    # one name per screen: the probe named the re-run's engine request; the table, the strip and the page
+    # map name the triage's request i. The message says both, once.
+    rid = found.get("engine_request_id")
+    if rid is not None:
+        found["message"] = re.sub(rf"\brequest {re.escape(str(rid))}\b", f"request {i} (engine request {rid})",
+                                  found["message"], count=1)
     rep.faults[i] = found
     row["pages"] = found["pages"]
     if row["layer"] is None:

@@ -98,9 +98,7 @@ class PoolWatch:
                 self.recorder.on_schedule(scheduler, so, d, self.ledger.steps)
             except Exception as e:
                 self.rep.error("flight recorder", e)
-        for rid in d.released:
-            for g in range(len(self.rules)):
-                self.crc.pop((rid, g), None)
+        self._forget(d.released)
         self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
@@ -128,11 +126,24 @@ class PoolWatch:
             except Exception as e:
                 self.rep.error("flight recorder", e)
         idle = not scheduler.requests
+        if idle:                                     # nobody waits: no clock of ours runs on
+            self.progress.clear()
+            self.progress_t.clear()
         if self.step % self.s.pool_every and not idle:
             return
         self.check(scheduler, step_s, idle)
         if idle:
             self._sweep_when_idle(scheduler)
+
+    def _forget(self, released) -> None:
+        """Every per-request structure of ours goes when the ledger releases the request, on whichever
+        path (a finish or abort seen at schedule time, one inside update_from_output, a preemption)."""
+        for rid in released:
+            for g in range(len(self.rules)):
+                self.crc.pop((rid, g), None)
+            self.progress.pop(rid, None)
+            self.progress_t.pop(rid, None)
+            self.stall_said.discard(rid)
 
     # ---- prefix provenance (probes/provenance.py) --------------------------------------------
     def _provenance(self, scheduler, so, added=()) -> None:
@@ -236,8 +247,9 @@ class PoolWatch:
                 continue
             since = max(self.progress.setdefault(rid, step), self.saturated_at)
             waiting[rid] = (since, -(-(r.num_tokens - r.num_computed_tokens) // bs))
-        for rid in [r for r in self.progress if r not in scheduler.requests]:
-            del self.progress[rid]
+        # requests that left (an abort of one never scheduled leaves no ledger entry to release)
+        for rid in [r for r in {**self.progress, **self.progress_t} if r not in scheduler.requests]:
+            self.progress.pop(rid, None)
             self.progress_t.pop(rid, None)
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         found = []
@@ -301,6 +313,7 @@ class PoolWatch:
             d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
                                    + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
             self.touched |= d.touched()
+            self._forget(d.released)          # finished inside update_from_output: released here first
             if self.recorder is not None and d.released:
                 self.recorder.on_release(scheduler, d, self.ledger.steps)
         null = getattr(getattr(pool, "null_block", None), "block_id", None)

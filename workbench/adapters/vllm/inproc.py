@@ -191,10 +191,29 @@ def main(argv=None) -> None:
                kv_cache_groups=[type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups])
     res.update(step_fn=core.step_fn.__name__, scheduler=type(core.scheduler).__name__,
                batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
+    res["plugin_sizes"] = plugin_sizes()
     time.sleep(a.settle_s)
     core.shutdown()
     sys.stdout.write("RESULT " + json.dumps(res) + "\n")
     sys.stdout.flush()
+
+
+def plugin_sizes() -> dict:
+    """The plugin's per-request and per-block structures in this process, by name (empty without it):
+    what must fall back once every request is done, whatever path ended it."""
+    import sys as _sys
+    hooks = _sys.modules.get("workbench.adapters.vllm.hooks")
+    pool = getattr(hooks, "POOL", None)
+    if pool is None:
+        return {}
+    out = {"crc": len(pool.crc), "progress": len(pool.progress), "progress_t": len(pool.progress_t),
+           "t_sched": len(pool.t_sched), "touched": len(pool.touched),
+           "ledger_requests": len(pool.ledger.reqs) if pool.ledger is not None else 0,
+           "provenance_records": sum(len(p.rec) for p in pool.prov.values())}
+    req = getattr(hooks, "REQ", None)
+    if req is not None:
+        out["books_live"] = len(req.books.live)
+    return out
 
 
 if __name__ == "__main__":
