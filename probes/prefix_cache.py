@@ -29,7 +29,7 @@ from typing import Any
 
 from probes.page_writes import PageWriteLedger
 from probes.provenance import chain
-from workbench.events import EngineIdle, PagesRegistered, RequestAdmitted, RequestFinished, StepFinished
+from workbench.events import EngineIdle, PagesRegistered, RequestFinished, StepFinished
 from workbench.probe import Probe
 
 HINT_HIT = ("the prefix cache served a page computed for another history: a page's key must chain its "

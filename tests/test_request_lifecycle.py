@@ -7,7 +7,6 @@ including a long one with preemption, prefix hits, aborts and a 64-thread submis
 import threading
 
 import numpy as np
-import pytest
 
 from probes.page_writes import PageWriteLedger, prefix_digests
 from probes.request_books import RequestBooks

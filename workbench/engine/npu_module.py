@@ -6,7 +6,6 @@ torch_npu) both ask it without importing each other.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 _real: list = []          # the one probe of the real torch_npu: [module or None]

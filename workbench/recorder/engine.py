@@ -59,6 +59,7 @@ class EngineRecorder:
         self.engine = engine
         self.privacy = privacy
         self.ring = SegmentRing(root, engine_header(engine), max_bytes=max_bytes)
+        self.keep_bundles = 16
         self.root = self.ring.root
         self._t0 = time.perf_counter()
         self.bundles: list[str] = []
@@ -105,8 +106,10 @@ class EngineRecorder:
             self.freeze(f"finding-{f.kind}")
 
     def freeze(self, reason: str = "on-demand") -> str:
+        from .budget import trim_bundles
         from .bundle import freeze
         path = freeze(self.ring, reason)
+        trim_bundles(self.root, self.keep_bundles)      # the oldest bundles beyond the budget go
         self.bundles.append(str(path))
         return str(path)
 

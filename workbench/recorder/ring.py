@@ -14,11 +14,15 @@ one step. A torn last line is skipped (and counted) by the reader; every complet
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
+
+log = logging.getLogger("workbench.recorder")
 
 SCHEMA = "kvwb-recording/1"
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -48,6 +52,9 @@ class SegmentRing:
         self.dropped_segments = 0
         self.records = 0
         self.bytes_written = 0
+        self.records_dropped = 0          # records a failed write lost (a full disk): counted, never raised
+        self.write_errors = 0
+        self.disk_full = False            # the last write failed; the next flush tries again
         existing = _segments(self.root)           # a directory left by an earlier process: go on after it
         self._next = 1 + max((int(p.stem[len(SEGMENT_PREFIX):]) for p in existing
                               if p.stem[len(SEGMENT_PREFIX):].isdigit()), default=0)
@@ -70,21 +77,48 @@ class SegmentRing:
         self._last_flush = time.monotonic()
         if not self._buf:
             return
-        if self._f is None or self._size >= self.segment_bytes:
-            self._open_segment()
         data = "".join(self._buf)
+        lost = len(self._buf)
         self._buf.clear()
-        self._f.write(data)
-        self._f.flush()
+        try:
+            if self._f is None or self._size >= self.segment_bytes:
+                self._open_segment()
+            self._f.write(data)
+            self._f.flush()
+        except OSError as e:
+            # a full disk (or a removed directory): one log line per episode, a counter of what was lost,
+            # and the segment closed (a torn line is never appended to); the next flush tries again
+            self.records_dropped += lost
+            self.write_errors += 1
+            if not self.disk_full:
+                log.warning("flight recorder: cannot write %s (%s): records are dropped and counted until it can",
+                            self.root, errno.errorcode.get(e.errno, e.errno) if e.errno else e)
+            self.disk_full = True
+            self._close_quietly()
+            return
+        if self.disk_full:
+            log.warning("flight recorder: writing %s again (%d records were dropped)", self.root, self.records_dropped)
+            self.disk_full = False
         n = len(data.encode())
         self._size += n
         self.bytes_written += n
         self._sizes[self._path] = self._size
         self._trim()
 
+    def _close_quietly(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._size = self.segment_bytes          # the next flush opens a fresh segment
+
     def _open_segment(self) -> None:
         if self._f is not None:
             self._f.close()
+            self._f = None
+        self.root.mkdir(parents=True, exist_ok=True)
         self._path = self.root / f"{SEGMENT_PREFIX}{self._next:06d}.jsonl"
         self._next += 1
         self._f = open(self._path, "w", encoding="utf-8")

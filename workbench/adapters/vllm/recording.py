@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 
+from workbench.recorder.budget import enforce
 from workbench.recorder.bundle import freeze
 from workbench.recorder.ring import SegmentRing, prompt_fields
 
@@ -78,6 +79,7 @@ class VllmRecorder:
                                                         True)),
                   "privacy": self.s.record_privacy, "pid": os.getpid()}
         self.ring = SegmentRing(root, header, max_bytes=self.s.record_max_mb * 2**20)
+        self._budget()                                # earlier starts' recordings within the disk budget
         st.log.info("PagedKV Workbench flight recorder: %s (cap %d MB; kvwb dump %s freezes a bundle)", root,
                     self.s.record_max_mb, root)
         self._signals()
@@ -280,6 +282,17 @@ class VllmRecorder:
             self._frozen_kinds.add(f.get("kind"))    # one bundle per kind: a storm of one bug is one incident
             self.request_freeze(f"finding-{f.get('kind')}")   # on the recorder's thread, off the busy loop
 
+    def _budget(self) -> None:
+        try:
+            t = enforce(self.s.record_dir, current=self.ring.root, keep_runs=self.s.record_keep,
+                        keep_bytes=self.s.record_keep_mb * 2**20, keep_bundles=self.s.record_bundles)
+        except Exception as e:                       # the budget never stops the recorder
+            st.problem(f"flight recorder: disk budget not applied ({type(e).__name__}: {e})")
+            return
+        if t.runs or t.bundles:
+            st.log.info("PagedKV Workbench flight recorder: disk budget removed %d earlier recording(s), %d "
+                        "bundle(s), %.1f MB", len(t.runs), len(t.bundles), t.freed_bytes / 2**20)
+
     def freeze(self, reason: str) -> str | None:
         if self.ring is None:
             return None
@@ -288,6 +301,7 @@ class VllmRecorder:
         except OSError as e:
             st.problem(f"flight recorder: could not freeze a bundle ({e})")
             return None
+        self._budget()                               # the oldest bundles beyond the budget go
         self.bundles.append(path)
         st.log.warning("PagedKV Workbench: repro bundle frozen (%s): %s", reason, path)
         return path

@@ -22,6 +22,10 @@ the variable, the value and what was used instead) and the default is kept.
                                         default ~/.cache/pagedkv-workbench/recordings (XDG_CACHE_HOME)
   PAGEDKV_RECORD_MAX_MB      the ring's size cap per process, oldest segment out first    default 256
   PAGEDKV_RECORD_PRIVACY     1: prompt lengths and per-block digests, no token ids        default 0
+  PAGEDKV_RECORD_KEEP        recordings (one per engine core start) kept under PAGEDKV_RECORD_DIR,
+                             the oldest removed first                                 default 8
+  PAGEDKV_RECORD_KEEP_MB     and at most this many MB in all (recordings and bundles)    default 2048
+  PAGEDKV_RECORD_BUNDLES     repro bundles kept per recording, the oldest removed first   default 16
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ ENV_RECORD = "PAGEDKV_RECORD"
 ENV_RECORD_DIR = "PAGEDKV_RECORD_DIR"
 ENV_RECORD_MAX_MB = "PAGEDKV_RECORD_MAX_MB"
 ENV_RECORD_PRIVACY = "PAGEDKV_RECORD_PRIVACY"
+ENV_RECORD_KEEP = "PAGEDKV_RECORD_KEEP"
+ENV_RECORD_KEEP_MB = "PAGEDKV_RECORD_KEEP_MB"
+ENV_RECORD_BUNDLES = "PAGEDKV_RECORD_BUNDLES"
 
 
 @dataclass
@@ -57,6 +64,9 @@ class Settings:
     record_dir: str | None = None         # None: the flight recorder is off
     record_max_mb: int = 256
     record_privacy: bool = False
+    record_keep: int = 8                  # recordings kept under record_dir
+    record_keep_mb: int = 2048            # MB kept under record_dir in all
+    record_bundles: int = 16              # bundles kept per recording
     problems: list[str] = field(default_factory=list)
 
 
@@ -115,4 +125,7 @@ def read(env=None) -> Settings:
         s.record_dir = env.get(ENV_RECORD_DIR) or os.path.join(cache, "pagedkv-workbench", "recordings")
     s.record_max_mb = _whole(env, ENV_RECORD_MAX_MB, 256, s.problems)
     s.record_privacy = str(env.get(ENV_RECORD_PRIVACY, "0")).strip().lower() in ("1", "on", "true", "yes")
+    s.record_keep = _whole(env, ENV_RECORD_KEEP, 8, s.problems)
+    s.record_keep_mb = _whole(env, ENV_RECORD_KEEP_MB, 2048, s.problems)
+    s.record_bundles = _whole(env, ENV_RECORD_BUNDLES, 16, s.problems)
     return s
