@@ -3,6 +3,7 @@ the listener's check-inactive judgement, `kvwb vllm status`, and the kvwb_vllm_c
 gauge over a real HTTP scrape. The same parts inside a real vLLM: test_vllm_step_paths.py."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -27,11 +28,11 @@ from workbench.adapters.vllm.server import free_port, vllm_python
 def test_settings_off_by_default_and_bad_values_fall_back_with_a_sentence():
     assert not settings.read({}).enabled
     s = settings.read({"PAGEDKV_VLLM_SANITIZER": "tcp://127.0.0.1:5590", "PAGEDKV_VLLM_POOL_EVERY": "often",
-                       "PAGEDKV_VLLM_FULL_EVERY": "0", "PAGEDKV_VLLM_INACTIVE_AFTER": " 12 "})
+                       "PAGEDKV_VLLM_FULL_EVERY": "-1", "PAGEDKV_VLLM_INACTIVE_AFTER": " 12 "})
     assert s.enabled and s.address == "tcp://127.0.0.1:5590"
-    assert (s.pool_every, s.full_every, s.inactive_after) == (1, 256, 12)
+    assert (s.pool_every, s.full_every, s.sweep_slice, s.inactive_after) == (1, 0, 512, 12)
     assert s.problems == ["PAGEDKV_VLLM_POOL_EVERY='often' is not a whole number >= 1; using 1",
-                          "PAGEDKV_VLLM_FULL_EVERY='0' is not a whole number >= 1; using 256"]
+                          "PAGEDKV_VLLM_FULL_EVERY='-1' is not a whole number >= 0; using 0"]
     for bad in ("not-an-address", "tcp://127.0.0.1", "http://127.0.0.1:80", "tcp://:80", "ipc://"):
         s = settings.read({"PAGEDKV_VLLM_SANITIZER": bad})
         assert s.enabled and s.address is None and bad in s.problems[0], (bad, s.problems)
@@ -306,3 +307,21 @@ def test_fault_seams_are_installed_only_with_a_fault_file(tmp_path, with_fault_f
         assert r["wrapped"] == ["_free_request_blocks", "allocate_slots", "touch"]
     else:
         assert r["hash_is_vllms"] and r["wrapped"] == []                   # vLLM's own functions, untouched
+
+
+def test_a_rotating_slice_patches_the_page_map_snapshot_and_a_bad_slice_is_named():
+    from workbench.adapters.vllm.listener import _patched
+    from workbench.adapters.vllm.stream import decode
+    n = 10
+    ref = np.arange(4, dtype=np.int32)
+    frames = [b"step", json.dumps({"step": 3, "num_blocks": n, "slice_lo": 6}).encode(),
+              ref.tobytes(), np.full(4, 2, np.int32).tobytes(), np.ones(4, np.uint8).tobytes()]
+    kind, header, arrays = decode(frames)
+    pool = _patched(None, 3, n, header["slice_lo"], arrays)
+    assert pool.ref.tolist() == [0] * 6 + [0, 1, 2, 3] and pool.owner.tolist() == [-1] * 6 + [2] * 4
+    again = _patched(pool, 4, n, 0, {"ref": np.full(3, 7, np.int32), "owner": np.zeros(3, np.int32),
+                                     "cached": np.zeros(3, np.uint8)})
+    assert again.ref.tolist() == [7, 7, 7, 0, 0, 0, 0, 1, 2, 3] and pool.ref[0] == 0       # the old view kept
+    bad = [b"step", json.dumps({"step": 5, "num_blocks": n, "slice_lo": 8}).encode(), *frames[2:]]
+    with pytest.raises(ValueError, match="slice of 4 blocks at 8 does not fit num_blocks 10"):
+        decode(bad)

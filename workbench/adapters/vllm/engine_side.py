@@ -56,6 +56,7 @@ class PoolWatch:
         self.saturated_at = 0                         # the last step the scheduler had no seat or budget left
         self.crc: dict[tuple[str, int], tuple[int, int]] = {}   # (request, group) -> (blocks digested, digest)
         self.recorder = None                          # the flight recorder (recording.py), in this process
+        self.cursor = 0                               # the next block the rotating slice check reads
 
     def _new_ledger(self, scheduler) -> None:
         pool = scheduler.kv_cache_manager.block_pool
@@ -318,7 +319,8 @@ class PoolWatch:
                 self.recorder.on_release(scheduler, d, self.ledger.steps)
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         pins = self._pins(scheduler, kvm)
-        full = deferred is not None or self.checks % self.s.full_every == 0
+        every = self.s.full_every
+        full = deferred is not None or bool(every and self.checks % every == 0)
         if deferred is None:
             self.checks += 1
         arrays = ()
@@ -326,13 +328,23 @@ class PoolWatch:
         if full:
             found, arrays, extra = self._sweep(scheduler, pool, blocks, n, null, pins, idle)
         else:
-            idx = np.fromiter((b for b in self.touched if 0 <= b < n and b != null), dtype=np.int64)
+            # the blocks this step touched, and a rotating slice of the pool: the same rules as the full
+            # sweep, a bounded number of blocks a step (the whole pool every n / sweep_slice steps)
+            lo, hi = self._slice(n)
+            idx = np.fromiter((b for b in self.touched if 0 <= b < n and b != null and not lo <= b < hi),
+                              dtype=np.int64)
+            if hi > lo:
+                sl = np.arange(lo, hi, dtype=np.int64)
+                idx = np.concatenate([idx, sl[sl != null] if null is not None else sl])
             ref = np.fromiter((blocks[b].ref_cnt for b in idx), dtype=np.int64, count=len(idx))
             inq = np.fromiter((_in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
             expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
                                                             dtype=np.int64, count=len(idx))
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
                                                      pins, self.ledger.optional[idx], self.ledger.who)
+            if hi > lo:
+                arrays, extra = self._slice_snapshot(blocks, lo, hi, ref[-(hi - lo):] if null is None or
+                                                     not lo <= null < hi else None, inq, idx)
         if deferred is not None:
             if self.step != deferred or scheduler.requests:
                 return                                # vLLM stepped while we walked: not one pool state
@@ -354,6 +366,45 @@ class PoolWatch:
             # different blocks); the others per block
             self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["request_id"],
                                                     None if f["kind"] == "leak" else f["page"]))
+
+    def _slice(self, n: int) -> tuple[int, int]:
+        """This step's slice [lo, hi) of the pool, moving on each step and wrapping round."""
+        k = min(self.s.sweep_slice, n)
+        if k <= 0:
+            return 0, 0
+        lo = self.cursor if self.cursor < n else 0
+        hi = min(n, lo + k)
+        self.cursor = hi if hi < n else 0
+        return lo, hi
+
+    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, inq, idx):
+        """The slice's part of the page map's snapshot (ref, owner, cached), sent with its offset: the
+        listener patches it into its last full snapshot. Owners from the ledger's last holder of each
+        block (a name the dashboard colours by), not a scan."""
+        if ref is None:                                   # the null block sat in the slice: read it whole
+            ref = np.fromiter((blocks[b].ref_cnt for b in range(lo, hi)), dtype=np.int64, count=hi - lo)
+            free = np.fromiter((_in_queue(blocks[b]) for b in range(lo, hi)), dtype=bool, count=hi - lo)
+        else:
+            free = inq[-(hi - lo):]
+        hashed = np.fromiter((blocks[b].block_hash is not None for b in range(lo, hi)), dtype=bool, count=hi - lo)
+        owner = np.full(hi - lo, -1, dtype=np.int32)
+        new = {}
+        last = self.ledger.last_holder
+        counts = self.ledger.counts
+        for j in np.flatnonzero(counts[lo:hi] > 0).tolist():
+            rid = last.get(lo + j)
+            if rid is None:
+                continue
+            i = self.names.get(rid)
+            if i is None:
+                i = self.names[rid] = self.next_name
+                self.next_name += 1
+                new[i] = rid
+            owner[j] = i
+        if len(self.names) > 4 * max(1, len(self.ledger.reqs)) + 1024:     # ids of ended requests: bounded
+            live = set(self.ledger.reqs)
+            self.names = {r: i for r, i in self.names.items() if r in live}
+        return (ref.astype(np.int32), owner, (free & hashed).astype(np.uint8)), {"names": new, "slice_lo": lo}
 
     def _pins(self, scheduler, kvm) -> dict[int, list[str]]:
         """Blocks with references that no running request holds, for a reason vLLM allows: frees

@@ -117,9 +117,12 @@ class SanitizerListener:
                 self._error(f"in vLLM: {header.get('message')}")
             elif kind == "step":
                 self.names.update({int(k): v for k, v in (header.get("names") or {}).items()})
-                if arrays:                        # a full sweep's snapshot; incremental checks send none
+                lo = header.get("slice_lo")
+                if arrays and lo is None:         # a full sweep's snapshot
                     self.pool = PoolState(int(header["step"]), arrays["ref"].astype(np.int32),
                                           arrays["owner"].astype(np.int64), arrays["cached"].astype(bool))
+                elif arrays:                      # a rotating slice: patched into a copy of the last snapshot
+                    self.pool = _patched(self.pool, int(header["step"]), int(header["num_blocks"]), int(lo), arrays)
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
                                                   "running", "waiting", "hashed", "full", "idle_sweep", "process",
                                                   "hits_checked")}
@@ -162,3 +165,15 @@ class SanitizerListener:
             self._thread.join(timeout=2)
         self.sock.close(0)
         self.ctx.term()
+
+
+def _patched(pool, step: int, n: int, lo: int, arrays: dict):
+    """The last snapshot with one slice replaced (a new PoolState: views handed out keep theirs). Before
+    the first full snapshot, the blocks no slice has reached yet read as free."""
+    if pool is None or len(pool.ref) != n:
+        ref, owner, cached = np.zeros(n, np.int32), np.full(n, -1, np.int64), np.zeros(n, bool)
+    else:
+        ref, owner, cached = pool.ref.copy(), pool.owner.copy(), pool.cached.copy()
+    hi = lo + len(arrays["ref"])
+    ref[lo:hi], owner[lo:hi], cached[lo:hi] = arrays["ref"], arrays["owner"], arrays["cached"].astype(bool)
+    return PoolState(step, ref, owner, cached)

@@ -7,7 +7,12 @@ the variable, the value and what was used instead) and the default is kept.
                              binds it). Set to anything, the plugin is on; an address we cannot use
                              keeps the checks on and sends their findings to vLLM's log only.
   PAGEDKV_VLLM_POOL_EVERY    run the (incremental) pool check every N engine steps   default 1
-  PAGEDKV_VLLM_FULL_EVERY    a full sweep of the pool every N pool checks            default 256
+  PAGEDKV_VLLM_SWEEP_SLICE   blocks the pool check reads each step besides those the step touched,
+                             a rotating slice: the whole pool is covered every num_blocks / N
+                             steps (as often as the full sweep it replaces ran)   default 512
+  PAGEDKV_VLLM_FULL_EVERY    also a full sweep of the pool on vLLM's thread every N pool checks
+                             (its cost grows with the pool: ~29 ms at 100k blocks) default 0: off;
+                             the full sweep runs when vLLM goes idle, on the plugin's own thread
   PAGEDKV_VLLM_INACTIVE_AFTER  a check that should have run and has not, for N steps
                              with work, is a `check-inactive` warning                 default 64
   PAGEDKV_VLLM_STALL_AFTER   a request not running and unscheduled for N steps while the pool
@@ -36,6 +41,7 @@ from urllib.parse import urlparse
 ENV_SANITIZER = "PAGEDKV_VLLM_SANITIZER"
 ENV_POOL_EVERY = "PAGEDKV_VLLM_POOL_EVERY"
 ENV_FULL_EVERY = "PAGEDKV_VLLM_FULL_EVERY"
+ENV_SWEEP_SLICE = "PAGEDKV_VLLM_SWEEP_SLICE"
 ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
 ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
 ENV_ATTENTION = "PAGEDKV_VLLM_ATTENTION"
@@ -55,7 +61,8 @@ class Settings:
     enabled: bool = False
     address: str | None = None            # None: findings go to vLLM's log only
     pool_every: int = 1
-    full_every: int = 256
+    full_every: int = 0                   # 0: no full sweep on vLLM's thread (slices, and the idle sweep)
+    sweep_slice: int = 512
     inactive_after: int = 64
     stall_after: int = 256
     stall_after_s: int = 10
@@ -114,7 +121,8 @@ def read(env=None) -> Settings:
         s.problems.append(f"{ENV_SANITIZER}={raw!r} is not an address the plugin can send to ({why}); the checks "
                           f"run and their findings go to vLLM's log only")
     s.pool_every = _whole(env, ENV_POOL_EVERY, 1, s.problems)
-    s.full_every = _whole(env, ENV_FULL_EVERY, 256, s.problems)
+    s.full_every = _whole(env, ENV_FULL_EVERY, 0, s.problems, low=0)
+    s.sweep_slice = _whole(env, ENV_SWEEP_SLICE, 512, s.problems, low=0)
     s.inactive_after = _whole(env, ENV_INACTIVE_AFTER, 64, s.problems)
     s.stall_after = _whole(env, ENV_STALL_AFTER, 256, s.problems)
     s.stall_after_s = _whole(env, ENV_STALL_AFTER_S, 10, s.problems, low=0)

@@ -10,10 +10,11 @@ A message is multipart: [kind, JSON header, *raw arrays]. Kinds:
   hello    {pid, process, vllm_version}                                   once per process
   step     {step, t, step_s, check_s, num_blocks, block_size, num_free, running, waiting, full,
             names: {owner index: request id}, hashed}                     after each checked step
-           + on a full sweep (full: true; every PAGEDKV_VLLM_FULL_EVERY checks and at idle)
+           + on a full sweep (full: true; at idle, and every PAGEDKV_VLLM_FULL_EVERY checks if set)
              three arrays, one entry per block: ref (int32), owner (int32, index into the
              names sent so far, -1 none), cached (uint8: free and still holding a prefix hash);
-             the incremental checks in between send the header alone
+             the incremental checks in between send the same three arrays for the rotating
+             slice they read (slice_lo: its first block; the arrays' length: its size)
   finding  {probe, kind, severity, message, hint, step, request_id, page, evidence}
   error    {message}                                                      a check that failed to run
   cost     {process, checks, check_s, executions}   the worker's metadata checks so far (cumulative),
@@ -81,11 +82,15 @@ def decode(frames: list[bytes]) -> tuple[str, dict, dict]:
         if len(frames) != 2 + len(ARRAYS):
             raise ValueError(f"sanitizer step {header.get('step')}: {len(frames) - 2} arrays, want 0 or {len(ARRAYS)}")
         n = header.get("num_blocks")
+        lo = header.get("slice_lo")
         for (name, dtype), raw in zip(ARRAYS, frames[2:]):
             a = np.frombuffer(raw, dtype=dtype)
-            if len(a) != n:
+            if lo is None and len(a) != n:
                 raise ValueError(f"sanitizer step {header.get('step')}: array {name!r} has {len(a)} entries, "
                                  f"num_blocks says {n}")
+            if lo is not None and not (isinstance(lo, int) and isinstance(n, int) and 0 <= lo and lo + len(a) <= n):
+                raise ValueError(f"sanitizer step {header.get('step')}: slice of {len(a)} blocks at {lo!r} does not "
+                                 f"fit num_blocks {n}")
             arrays[name] = a
     return kind.decode(), header, arrays
 
