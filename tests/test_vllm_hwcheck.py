@@ -30,5 +30,9 @@ def test_the_hardware_check_script_passes_on_this_cpu_vllm():
     ran = next(ln for ln in out.splitlines() if ln.startswith("ran: "))
     assert int(ran.split("attention check ")[1].split()[0]) > 0, ran
     assert "clean run: 0 findings >= warn" in out
+    verdicts = [ln for ln in out.splitlines() if ln.startswith("VERDICT ")]       # one line per check
+    assert [v.split(":")[0][8:] for v in verdicts] == ["vllm_pool", "vllm_metadata", "vllm_attention",
+                                                       "clean run silent", "planted fault caught"], verdicts
+    assert all(": PASS (" in v for v in verdicts), verdicts
     line = next(ln for ln in out.splitlines() if ln.startswith("planted permuted_block_table_rows"))
     assert not line.startswith("planted permuted_block_table_rows: 0/") and "caught: step" in line

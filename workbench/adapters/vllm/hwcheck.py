@@ -161,6 +161,17 @@ def check(model: str, expect: str, extra: list[str], timeout_s: float = 900) -> 
         ok &= bool(caught)
         if col.errors:
             print("plugin errors: " + "; ".join(map(str, col.errors[:5])))
+        # one verdict line per check, for a first run on hardware to read at a glance
+        st_of = lambda name: col.statuses.get(name) or {}
+        verdicts = [
+            ("vllm_pool", bool(st_of("vllm_pool").get("active")) and col.steps > 0, f"{col.steps} steps"),
+            ("vllm_metadata", bool(st_of("vllm_metadata").get("active")) and checks > 0, f"{checks} batches"),
+            ("vllm_attention", None if not attn else True,
+             f"{attn} rows" if attn else "reported, not required (no row checked: full CUDA graphs run no Python)"),
+            ("clean run silent", not clean_found, f"{len(clean_found)} findings >= warn"),
+            ("planted fault caught", bool(caught), "permuted_block_table_rows")]
+        for name, good, what in verdicts:
+            print(f"VERDICT {name}: {'INFO' if good is None else 'PASS' if good else 'FAIL'} ({what})")
         print("RESULT " + ("PASS" if ok else "FAIL"))
         return 0 if ok else 1
     finally:
