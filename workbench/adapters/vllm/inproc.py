@@ -147,6 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
+    ap.add_argument("--abort-every", type=int, default=0, metavar="K",
+                    help="abort every Kth request, 3 steps after it is added (a soak's clients that hang up)")
     ap.add_argument("--max-steps", type=int, default=100_000, help="stop stepping after this many (a hung engine)")
     ap.add_argument("--stagger", type=int, default=0, metavar="STEPS", help="add one request every STEPS steps")
     ap.add_argument("--differ-at", type=int, default=None, metavar="POS",
@@ -184,6 +186,9 @@ def main(argv=None) -> None:
         at = {str(r["id"]): int(r.get("step", 1)) for r in recorded}
         lengths = {str(r["id"]): int(r.get("output_len") or a.max_tokens) for r in recorded}
     abort = {x.split(":")[0]: int(x.split(":")[1]) for x in a.abort}
+    if a.abort_every > 0:
+        abort.update({f"r{i}": (i * a.stagger if a.stagger else 0) + 3
+                      for i in range(a.abort_every - 1, len(reqs), a.abort_every)})
     res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps, at=at, lengths=lengths)
     pool = core.scheduler.kv_cache_manager.block_pool
     # the pool after the run, read directly: a fault that corrupts it shows here whatever the checks say
