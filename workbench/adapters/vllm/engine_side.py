@@ -359,6 +359,7 @@ class PoolWatch:
             "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
             "waiting": len(scheduler.requests) - running, "full": full, "idle_sweep": deferred is not None,
             "hits_checked": sum(p.hits_checked for p in self.prov.values()),
+            "dropped": getattr(self.rep.pub, "dropped", 0),  # messages a full send queue dropped so far
             "process": multiprocessing.current_process().name, **extra}, arrays)
         self.check_s = time.perf_counter() - t_send        # the send counts too: in the next step's figure
         if found:

@@ -125,7 +125,7 @@ class SanitizerListener:
                     self.pool = _patched(self.pool, int(header["step"]), int(header["num_blocks"]), int(lo), arrays)
                 row = {k: header.get(k) for k in ("step", "t", "step_s", "check_s", "num_blocks", "num_free",
                                                   "running", "waiting", "hashed", "full", "idle_sweep", "process",
-                                                  "hits_checked")}
+                                                  "hits_checked", "dropped")}
                 self.steps.append(row)
                 self._judge_inactive()
                 if "hashes" in header:            # sent at idle: the pool's prefix-cache blocks

@@ -34,32 +34,53 @@ KINDS = (b"hello", b"step", b"finding", b"error", b"cost", b"status")
 ARRAYS = (("ref", np.int32), ("owner", np.int32), ("cached", np.uint8))
 
 
-class Publisher:
-    """The plugin's end: connect a PUB to the workbench's address; send() never blocks."""
+SMALL = 16 * 1024          # bytes: a message up to this size goes on the small queue
 
-    def __init__(self, address: str):
+
+class Publisher:
+    """The plugin's end: connect PUBs to the workbench's address; send() never blocks.
+
+    What waits for a slow (or absent, or stalled) listener is bounded in bytes, not only in
+    messages: two PUB sockets to the one address, each with its own queue (ZMQ's high-water mark):
+    messages up to SMALL bytes (findings, step headers, statuses; `small_hwm` of them: <= 64 MB) and
+    larger ones (a pool snapshot, the idle sweep's hashes; `bulk_hwm` of them: a few snapshots). A
+    message that finds its queue full is dropped and counted (`dropped`, `dropped_bytes`): the newest,
+    what is queued is kept (ZMQ cannot drop from the head of a queue); vLLM never waits."""
+
+    def __init__(self, address: str, small_hwm: int = 4096, bulk_hwm: int = 4):
         import zmq
         self._zmq = zmq
         self.address = address
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.connect(address)
+        self.socks = {}
+        for name, hwm in (("small", small_hwm), ("bulk", bulk_hwm)):
+            s = self.ctx.socket(zmq.PUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, hwm)
+            # a full queue answers EAGAIN instead of PUB's silent drop: the drop is then ours to count
+            s.setsockopt(zmq.XPUB_NODROP, 1)
+            s.connect(address)
+            self.socks[name] = s
+        self.sock = self.socks["small"]
         self.lock = threading.Lock()           # engine core and its threads may both send
         self.dropped = 0
+        self.dropped_bytes = 0
 
     def send(self, kind: bytes, header: dict, arrays=()) -> None:
         frames = [kind, json.dumps(header, default=str).encode()]
         frames += [np.ascontiguousarray(a).tobytes() for a in arrays]
+        size = sum(len(f) for f in frames)
+        sock = self.socks["small" if size <= SMALL else "bulk"]
         with self.lock:
             try:
-                self.sock.send_multipart(frames, flags=self._zmq.NOBLOCK)
+                sock.send_multipart(frames, flags=self._zmq.NOBLOCK)
             except self._zmq.Again:
                 self.dropped += 1
+                self.dropped_bytes += size
 
     def close(self) -> None:
-        self.sock.close(0)
+        for s in self.socks.values():
+            s.close(0)
 
 
 def decode(frames: list[bytes]) -> tuple[str, dict, dict]:
