@@ -175,7 +175,7 @@ class LeakProbe(Probe):
         self._n += 1
         if self._n % self.every:
             return
-        from workbench.engine.device import memory_stats
+        from workbench.engine.memory import memory_stats
         eng = self.engine
         bufs = engine_buffers(eng)
         mem = memory_stats(eng.device)

@@ -19,6 +19,7 @@ import torch
 
 from workbench import cli
 from workbench.engine import device as dev
+from workbench.engine import memory
 from workbench.engine import peaks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,13 +93,13 @@ def test_wrong_type_raises_type_error():
 
 def test_synchronize_and_timer_on_cpu():
     dev.synchronize("cpu")
-    with dev.Timer("cpu") as t:
+    with memory.Timer("cpu") as t:
         torch.ones(1000).sum()
     assert t.elapsed_ns > 0 and t.seconds < 5
 
 
 def test_memory_stats_cpu():
-    stats = dev.memory_stats("cpu")
+    stats = memory.memory_stats("cpu")
     assert stats["device"] == "cpu"
     for key in ("rss_bytes", "rss_anon_bytes", "swap_bytes"):
         assert isinstance(stats[key], int) and stats[key] >= 0
@@ -112,7 +113,7 @@ def test_memory_stats_sees_an_allocation():
     # In a fresh process: a long test session's heap may hand the block pages it already holds.
     if not Path("/proc/self/status").exists():
         pytest.skip("no /proc/self/status on this system")
-    code = ("import torch; from workbench.engine import device as dev\n"
+    code = ("import torch; from workbench.engine import memory as dev\n"
             "before = dev.memory_stats('cpu')['rss_anon_bytes']\n"
             "block = torch.ones(256 * 1024 * 1024 // 4)\n"          # 256 MiB, touched
             "print(dev.memory_stats('cpu')['rss_anon_bytes'] - before)")

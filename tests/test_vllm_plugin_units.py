@@ -121,7 +121,7 @@ def test_a_sliding_window_groups_blocks_behind_the_window_may_go_and_the_edge_mu
 
 
 def test_a_group_the_ledger_does_not_model_is_not_counted():
-    # a Mamba / state group: its blocks are pinned from vLLM's own lists instead (engine_side._pins);
+    # a Mamba / state group: its blocks are pinned from vLLM's own lists instead (pool_sweep.PoolSweep._pins);
     # counting them here as well would expect two references where vLLM keeps one
     led = BlockLedger(16, [GroupRule(), GroupRule("unmodelled")], [16, 16])
     led.apply(out(new=[("a", ([1, 2], [9]), 0)], sched={"a": 20}))

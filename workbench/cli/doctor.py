@@ -39,7 +39,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["peaks_source"] = peaks["source"]
     report["peaks_measured_at"] = peaks.get("measured_at")
     report["peaks_cache_file"] = peaks["cache_file"]
-    report["memory"] = dev_mod.memory_stats(dev)
+    from workbench.engine.memory import memory_stats
+    report["memory"] = memory_stats(dev)
     model = default_model_path()
     report["default_model"] = str(model) if model else None
     report["default_model_bytes"] = model.stat().st_size if model else None

@@ -7,10 +7,10 @@ EngineCore.step_with_batch_queue (async scheduling, pipeline parallel) both call
 so the check runs whichever one vLLM picked; the status line says which (EngineCore picks the
 batch queue exactly when vllm_config.max_concurrent_batches > 1).
 
-Each check looks at the blocks the step touched (allocated, freed, evicted); every
-`full_every` checks a full sweep walks the whole pool and sends its snapshot (one entry per
-block) for the page map, and so does the idle sweep, on the plugin's own thread, whenever
-vLLM goes idle.
+Each check looks at the blocks the step touched (allocated, freed, evicted) and a rotating slice
+of the pool (pool_sweep.py); the full sweep walks the whole pool and sends its snapshot (one entry
+per block) for the page map when vLLM goes idle, on the plugin's own thread. Prefix provenance
+(provenance_check.py) and forward progress run at schedule time.
 """
 from __future__ import annotations
 
@@ -21,19 +21,17 @@ import time
 import numpy as np
 
 from probes.progress import stalled
-from probes.provenance import ProvenanceLedger, chain, seed
 
 from . import sanitizer
 from . import status as st
-from .ledger import BlockLedger, GroupRule, whole_lists
+from .ledger import BlockLedger, GroupRule
+from .pool_sweep import PoolSweep, in_queue
+from .provenance_check import ProvenanceCheck
 
 
-def _in_queue(b) -> bool:
-    # FreeKVCacheBlockQueue keeps fake head and tail blocks: a block on it has both links
-    return b.prev_free_block is not None and b.next_free_block is not None
-
-
-class PoolWatch:
+class PoolWatch(ProvenanceCheck, PoolSweep):
+    """The engine-core side's state and its callbacks; the prefix provenance (provenance_check.py) and
+    the pool's rotating slice and full sweep (pool_sweep.py) are mixed in."""
     def __init__(self, rep, settings):
         self.rep, self.s = rep, settings
         self.ledger: BlockLedger | None = None
@@ -49,7 +47,7 @@ class PoolWatch:
         self._wake: threading.Event | None = None
         self._idle_at = None
         self.rules: list[GroupRule | None] = []       # per KV cache group; None: not modelled (its own lists pin)
-        self.prov: dict[int, ProvenanceLedger] = {}   # per KV cache group the ledger models
+        self.prov: dict = {}                          # per KV cache group the ledger models: ProvenanceLedger
         self.progress: dict[str, int] = {}            # request -> the last step it was scheduled (or arrived)
         self.progress_t: dict[str, float] = {}        # request -> when it was first seen waiting since then
         self.stall_said: set[str] = set()
@@ -145,74 +143,6 @@ class PoolWatch:
             self.progress.pop(rid, None)
             self.progress_t.pop(rid, None)
             self.stall_said.discard(rid)
-
-    # ---- prefix provenance (probes/provenance.py) --------------------------------------------
-    def _provenance(self, scheduler, so, added=()) -> None:
-        """Hits checked against what the blocks were filled with; blocks this step fills recorded.
-        At schedule time: vLLM has already counted this step's tokens as computed, and the step's
-        forward writes their K/V. Per KV cache group the ledger models (a sliding window's hit
-        starts with vLLM's null block for the tokens behind the window: those are not read)."""
-        if getattr(scheduler, "connector", None) is not None:
-            return                    # a connector's loaded tokens count as computed but were not hits
-        hits = [(rid, computed) for rid, _, computed in whole_lists(so)]
-        scheduled = getattr(so, "num_scheduled_tokens", None) or {}
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        found = []
-        for g, rule in enumerate(self.rules):
-            if rule is not None:
-                found += self._provenance_group(scheduler, g, int(groups[g].kv_cache_spec.block_size), hits,
-                                                scheduled, added)
-        if found:
-            self.rep.findings(found, key=lambda f: ("provenance", f["request_id"], f["page"]))
-
-    def _provenance_group(self, scheduler, g: int, bs: int, hits, scheduled, added) -> list[dict]:
-        prov = self.prov.get(g)
-        if prov is None:
-            prov = self.prov[g] = ProvenanceLedger(bs)
-        null = self.ledger.null
-        hit_blocks = set()
-        for rid, computed in hits:
-            entry = self.ledger.reqs.get(rid)
-            if entry is not None and g < len(entry.groups):
-                hit_blocks.update(entry.groups[g][:computed // bs])
-        for b in added:                               # handed out afresh: what it held before is gone
-            if b not in hit_blocks:
-                prov.rec.pop(b, None)
-        found = []
-        for rid, computed in hits:
-            req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
-                continue              # multimodal hashes key only the blocks they overlap: not modelled
-            k = computed // bs
-            tokens = req.all_token_ids
-            start = seed(_extra_keys(req))
-            digests = chain(tokens, bs, k, start)
-            if k:
-                m = prov.check_hit(rid, entry.groups[g][:k], tokens, digests)
-                if m is not None:
-                    f = sanitizer.provenance_finding(self.step + 1, m, bs)
-                    f["evidence"]["kv_cache_group"] = g
-                    found.append(f)
-            self.crc[(rid, g)] = (len(digests), digests[-1] if digests else start)
-        for rid in scheduled:
-            req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
-                continue
-            blocks = entry.groups[g]
-            tokens = req.all_token_ids
-            full = min(int(req.num_computed_tokens), len(tokens)) // bs
-            done, crc = self.crc.get((rid, g)) or (0, None)
-            if full <= done or done > len(blocks):
-                continue
-            if crc is None:
-                crc = seed(_extra_keys(req))
-            new = chain(tokens[done * bs:full * bs], bs, full - done, crc)
-            for i, dg in enumerate(new):
-                j = done + i
-                if j < len(blocks) and blocks[j] != null:
-                    prov.fill(blocks[j], j, dg, tokens, rid)
-            self.crc[(rid, g)] = (done + len(new), new[-1] if new else crc)
-        return found
 
     # ---- forward progress (probes/progress.py) --------------------------------------------
     def _progress(self, scheduler, so) -> None:
@@ -337,7 +267,7 @@ class PoolWatch:
                 sl = np.arange(lo, hi, dtype=np.int64)
                 idx = np.concatenate([idx, sl[sl != null] if null is not None else sl])
             ref = np.fromiter((blocks[b].ref_cnt for b in idx), dtype=np.int64, count=len(idx))
-            inq = np.fromiter((_in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
+            inq = np.fromiter((in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
             expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
                                                             dtype=np.int64, count=len(idx))
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
@@ -368,127 +298,7 @@ class PoolWatch:
             self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["request_id"],
                                                     None if f["kind"] == "leak" else f["page"]))
 
-    def _slice(self, n: int) -> tuple[int, int]:
-        """This step's slice [lo, hi) of the pool, moving on each step and wrapping round."""
-        k = min(self.s.sweep_slice, n)
-        if k <= 0:
-            return 0, 0
-        lo = self.cursor if self.cursor < n else 0
-        hi = min(n, lo + k)
-        self.cursor = hi if hi < n else 0
-        return lo, hi
 
-    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, inq, idx):
-        """The slice's part of the page map's snapshot (ref, owner, cached), sent with its offset: the
-        listener patches it into its last full snapshot. Owners from the ledger's last holder of each
-        block (a name the dashboard colours by), not a scan."""
-        if ref is None:                                   # the null block sat in the slice: read it whole
-            ref = np.fromiter((blocks[b].ref_cnt for b in range(lo, hi)), dtype=np.int64, count=hi - lo)
-            free = np.fromiter((_in_queue(blocks[b]) for b in range(lo, hi)), dtype=bool, count=hi - lo)
-        else:
-            free = inq[-(hi - lo):]
-        hashed = np.fromiter((blocks[b].block_hash is not None for b in range(lo, hi)), dtype=bool, count=hi - lo)
-        owner = np.full(hi - lo, -1, dtype=np.int32)
-        new = {}
-        last = self.ledger.last_holder
-        counts = self.ledger.counts
-        for j in np.flatnonzero(counts[lo:hi] > 0).tolist():
-            rid = last.get(lo + j)
-            if rid is None:
-                continue
-            i = self.names.get(rid)
-            if i is None:
-                i = self.names[rid] = self.next_name
-                self.next_name += 1
-                new[i] = rid
-            owner[j] = i
-        if len(self.names) > 4 * max(1, len(self.ledger.reqs)) + 1024:     # ids of ended requests: bounded
-            live = set(self.ledger.reqs)
-            self.names = {r: i for r, i in self.names.items() if r in live}
-        return (ref.astype(np.int32), owner, (free & hashed).astype(np.uint8)), {"names": new, "slice_lo": lo}
-
-    def _pins(self, scheduler, kvm) -> dict[int, list[str]]:
-        """Blocks with references that no running request holds, for a reason vLLM allows: frees
-        deferred behind an in-flight step; with a KV connector, blocks of requests the workers have
-        not seen (a delayed free after finishing, an asynchronous load: WAITING_FOR_REMOTE_KVS)."""
-        pins: dict[int, list[str]] = {}
-        for fence, bl in list(getattr(scheduler, "deferred_frees", ()) or ()):
-            for b in bl:
-                pins.setdefault(b.block_id, []).append(f"deferred free (fence step {fence})")
-        mgrs = scheduler.kv_cache_manager.coordinator.single_type_managers
-        pool = scheduler.kv_cache_manager.block_pool
-        for g, rule in enumerate(self.rules):
-            # a Mamba / state group: vLLM's own lists, named (not a manager with its own host pool)
-            if rule is None and g < len(mgrs) and getattr(mgrs[g], "block_pool", pool) is pool:
-                why = f"group {g} ({type(mgrs[g]).__name__}): not modelled by the ledger"
-                for rid, bl in list(mgrs[g].req_to_blocks.items()):
-                    for b in bl:
-                        if not getattr(b, "is_null", False):
-                            pins.setdefault(b.block_id, []).append(f"{rid}: {why}")
-        conn = getattr(scheduler, "connector", None)
-        if conn is None:
-            return pins                   # without a connector every holder crosses to the workers
-        for rid, r in list(scheduler.requests.items()):
-            if rid in self.ledger.reqs:
-                continue
-            fin = getattr(r, "is_finished", None)
-            why = ("finished, free delayed" if fin is not None and fin()
-                   else getattr(getattr(r, "status", None), "name", "not scheduled yet"))
-            for g, ids in enumerate(kvm.get_block_ids(rid)):
-                if g < len(self.rules) and self.rules[g] is None:
-                    continue                              # pinned above already
-                for b in ids:
-                    pins.setdefault(b, []).append(f"{rid}: {why} ({type(conn).__name__})")
-        return pins
-
-    def _sweep(self, scheduler, pool, blocks, n, null, pins, idle):
-        ref = np.fromiter((b.ref_cnt for b in blocks), dtype=np.int64, count=n)
-        has_hash = np.fromiter((b.block_hash is not None for b in blocks), dtype=bool, count=n)
-        prev = np.fromiter((-1 if b.prev_free_block is None else b.prev_free_block.block_id for b in blocks),
-                           dtype=np.int64, count=n)
-        q = pool.free_block_queue
-        walk, err, b = [], None, q.fake_free_list_head.next_free_block
-        tail = q.fake_free_list_tail
-        while b is not None and b is not tail:
-            if len(walk) > n:
-                err = "the free queue loops"
-                break
-            walk.append(b.block_id)
-            b = b.next_free_block
-        holders = self.ledger.holders()
-        for blk, why in pins.items():
-            for w in why:
-                holders.setdefault(f"<pinned: {w}>", []).append(blk)
-        live = {rid: "held" for rid in holders}
-        computed = None
-        if len(self.rules) == 1 and self.rules[0] is not None and self.rules[0].kind == "full":
-            computed = {r: e.computed + e.scheduled for r, e in self.ledger.reqs.items()}
-        found = sanitizer.pool_findings(self.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
-                                        _index_errors(pool, has_hash), self.ledger.last_holder,
-                                        scheduler.block_size, computed, self.ledger.holders(optional=True))
-        owner = np.full(n, -1, dtype=np.int32)
-        new, names = {}, {}
-        for rid, pages in holders.items():
-            i = self.names.get(rid)
-            if i is None:
-                i = self.next_name
-                self.next_name += 1
-                new[i] = rid
-            names[rid] = i
-            idx = np.asarray(pages, dtype=np.int64)
-            idx = idx[(idx >= 0) & (idx < n)]
-            owner[idx[owner[idx] < 0]] = i
-        self.names = names          # only the current holders: a server's lifetime of ids is not kept
-        is_free = np.zeros(n, dtype=bool)
-        is_free[[p for p in walk if 0 <= p < n]] = True
-        cached = (is_free & has_hash).astype(np.uint8)
-        extra = {"names": new, "hashed": int(has_hash.sum())}
-        if idle:
-            # the prefix cache's block hashes as vLLM's KV events spell them (its own conversion)
-            from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
-            hs = [maybe_convert_block_hash(get_block_hash(b.block_hash)) for b in blocks if b.block_hash is not None]
-            extra["hashes"] = [h if isinstance(h, int) else h.hex() for h in hs]
-        return found, (ref.astype(np.int32), owner, cached), extra
 
 
 # managers of a modelled family whose rules differ from their base's: R-SWA frees a middle gap,
@@ -522,26 +332,3 @@ def group_rules(scheduler) -> tuple[list[GroupRule | None], str]:
         rules.append(rule)
         said.append(f"group {g} {type(spec).__name__} (block {spec.block_size}; {how})")
     return rules, f"{len(groups)} KV cache group(s): " + "; ".join(said) if groups else ""
-
-
-def _extra_keys(req) -> tuple:
-    """What besides the tokens changes a block's K/V: the LoRA, the cache salt, multimodal inputs."""
-    lora = getattr(req, "lora_request", None)
-    mm = tuple(getattr(f, "identifier", None) or getattr(f, "mm_hash", None) for f in (getattr(req, "mm_features", None)
-                                                                                      or ()))
-    return (getattr(lora, "lora_name", None), getattr(req, "cache_salt", None), *mm)
-
-
-def _index_errors(pool, has_hash) -> tuple[list[int], list[int]]:
-    """(index entries naming a block with another hash, hashed blocks the index lacks)."""
-    cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
-    if cache is None:
-        return [], []
-    bad, indexed = [], set()
-    for key, entry in cache.items():
-        for blk in (entry.values() if isinstance(entry, dict) else (entry,)):
-            indexed.add(blk.block_id)
-            if blk.block_hash != key:
-                bad.append(blk.block_id)
-    missing = [int(i) for i in np.nonzero(has_hash)[0] if int(i) not in indexed]
-    return bad[:16], missing[:16]
