@@ -1,11 +1,12 @@
 """Does the plugin stall vLLM's busy loop? The worst and the 99th-percentile step, plugin off and on.
 
 vLLM's real EngineCore in one process (inproc.py, the vLLM environment, the tiny model with
-16-token blocks so that 1M blocks fit in ~8 GB), 64 requests decoding, every `EngineCore.step_fn`
+32-token blocks, the CPU backend's multiple: 1M blocks take ~16 GB), 64 requests decoding, every `EngineCore.step_fn`
 call timed for --steps steps (past the 256th check, where the plugin used to sweep the whole pool
 on vLLM's thread), once with the plugin off and once on (a workbench listening, the flight recorder
 on), at 100k and 1M blocks. Printed side by side: median, p99 and worst step, and the plugin's
-median / worst added.
+median / worst added; --old-sweep adds a row with the full sweep on vLLM's thread every 256 checks
+(PAGEDKV_VLLM_FULL_EVERY=256, the plugin's default before the rotating slice).
 
     .venv/bin/python benchmarks/vllm_step_stalls.py [--steps 400] [--blocks 100000 1000000]
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 def child(model: str, blocks: int, steps: int, running: int) -> None:
     from workbench.adapters.vllm import inproc
-    core = inproc.make_core(model, batch_queue=False, num_blocks=blocks, max_num_seqs=running, block_size=16,
+    core = inproc.make_core(model, batch_queue=False, num_blocks=blocks, max_num_seqs=running, block_size=32,
                             max_num_batched_tokens=max(2048, running * 8), max_model_len=4096)
     for i, p in enumerate(inproc.prompts(running, shared=48)):
         r, wave = core.preprocess_add_request(inproc.request(f"r{i}", p, 4000))
@@ -43,17 +44,18 @@ def child(model: str, blocks: int, steps: int, running: int) -> None:
                                   "steps": times}), flush=True)
 
 
-def run(model: str, blocks: int, steps: int, running: int, plugin: bool) -> list[float] | str:
+def run(model: str, blocks: int, steps: int, running: int, plugin: bool, extra: dict | None = None) -> list[float] | str:
     from workbench.adapters.vllm.listener import SanitizerListener
     from workbench.adapters.vllm.server import free_port, vllm_python
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
-    gib = max(1, -(-blocks * 16 * 512 // 2**30) + 1)              # tiny model: 512 bytes of K/V a token
+    gib = max(1, -(-blocks * 32 * 512 // 2**30) + 1)              # tiny model: 512 bytes of K/V a token
     env.update(VLLM_CPU_KVCACHE_SPACE=str(gib), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     lis = None
     if plugin:
         addr = f"tcp://127.0.0.1:{free_port()}"
         lis = SanitizerListener(addr)
         env["PAGEDKV_VLLM_SANITIZER"] = addr
+        env.update(extra or {})
     try:
         p = subprocess.run([str(vllm_python()), __file__, "--child", model, str(blocks), str(steps), str(running)],
                            cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=3600)
@@ -69,6 +71,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--running", type=int, default=64)
     ap.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--old-sweep", action="store_true",
+                    help="also the plugin with PAGEDKV_VLLM_FULL_EVERY=256: the full sweep on vLLM's thread, as it was")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -81,15 +85,17 @@ def main(argv=None) -> None:
     print(f"{'blocks':>9} {'plugin':>6} | {'median ms':>9} {'p99 ms':>8} {'worst ms':>9}")
     for blocks in tqdm(a.blocks, desc="pool sizes", leave=False):
         got = {}
-        for plugin in (False, True):
-            t = run(model, blocks, a.steps, a.running, plugin)
+        runs = [("off", False, None), ("on", True, None)]
+        if a.old_sweep:
+            runs.append(("sweep", True, {"PAGEDKV_VLLM_FULL_EVERY": "256"}))
+        for label, plugin, extra in runs:
+            t = run(model, blocks, a.steps, a.running, plugin, extra)
             if isinstance(t, str):
-                print(f"{blocks:>9} {'on' if plugin else 'off':>6} | failed: {t}")
+                print(f"{blocks:>9} {label:>6} | failed: {t}")
                 continue
             ms = np.asarray(t) * 1e3
-            got[plugin] = ms
-            print(f"{blocks:>9} {'on' if plugin else 'off':>6} | {np.median(ms):9.2f} {np.percentile(ms, 99):8.2f} "
-                  f"{ms.max():9.2f}")
+            got.setdefault(plugin, ms)
+            print(f"{blocks:>9} {label:>6} | {np.median(ms):9.2f} {np.percentile(ms, 99):8.2f} {ms.max():9.2f}")
         if len(got) == 2:
             print(f"{blocks:>9} {'added':>6} | {np.median(got[True]) - np.median(got[False]):9.2f} "
                   f"{np.percentile(got[True], 99) - np.percentile(got[False], 99):8.2f} "
