@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from vllm_child import run_child, tiny_model  # noqa: E402  (sibling script: benchmarks/ is sys.path[0])
 
 
 def child(model: str, running: int, blocks: int, steps: int) -> None:
@@ -90,31 +90,15 @@ def main(argv=None) -> None:
     if a.child:
         return child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]))
     from tqdm.auto import tqdm
-    from workbench.adapters.vllm.listener import SanitizerListener
-    from workbench.adapters.vllm.server import free_port, vllm_python
-    model = subprocess.run([str(vllm_python()), "-c", "from workbench.adapters.vllm.tiny_model import "
-                            "write_tiny_model_dir as w; print(w())"], cwd=str(ROOT), capture_output=True, text=True,
-                           check=True).stdout.strip().splitlines()[-1]
+    model = tiny_model()
     print(f"{'running':>8} {'blocks':>8} | {'vLLM own ms/step':>16} {'plugin ms/step':>15} {'plugin/vLLM':>11} | "
           f"{'worst vLLM':>10} {'worst plugin':>12}")
     for size in tqdm(a.sizes, desc="sizes", leave=False):
         running, blocks = map(int, size.split(":"))
-        addr = f"tcp://127.0.0.1:{free_port()}"
-        lis = SanitizerListener(addr)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
-        gib = max(1, -(-blocks * 32 * 512 // 2**30) + 1)          # tiny model: 512 bytes of K/V a token
-        env.update(PAGEDKV_VLLM_SANITIZER=addr, VLLM_CPU_KVCACHE_SPACE=str(gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_NUM_THREADS="1")
-        try:
-            p = subprocess.run([str(vllm_python()), __file__, "--child", model, str(running), str(blocks),
-                                str(a.steps)], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1800)
-        finally:
-            lis.close()
-        res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if not res:
-            print(f"{running:>8} {blocks:>8} | failed: {p.stderr[-1500:]}")
+        r = run_child(__file__, [model, running, blocks, a.steps], blocks, timeout_s=1800)
+        if isinstance(r, str):
+            print(f"{running:>8} {blocks:>8} | failed: {r}")
             continue
-        r = json.loads(res[-1][7:])
         own = [s[0] * 1e3 for s in r["steps"]]
         plug = [s[1] * 1e3 for s in r["steps"]]
         mo, mp = statistics.median(own), statistics.median(plug)

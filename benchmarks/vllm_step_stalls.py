@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from vllm_child import run_child, tiny_model  # noqa: E402  (sibling script: benchmarks/ is sys.path[0])
 
 
 def child(model: str, blocks: int, steps: int, running: int) -> None:
@@ -45,25 +45,8 @@ def child(model: str, blocks: int, steps: int, running: int) -> None:
 
 
 def run(model: str, blocks: int, steps: int, running: int, plugin: bool, extra: dict | None = None) -> list[float] | str:
-    from workbench.adapters.vllm.listener import SanitizerListener
-    from workbench.adapters.vllm.server import free_port, vllm_python
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
-    gib = max(1, -(-blocks * 32 * 512 // 2**30) + 1)              # tiny model: 512 bytes of K/V a token
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(gib), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    lis = None
-    if plugin:
-        addr = f"tcp://127.0.0.1:{free_port()}"
-        lis = SanitizerListener(addr)
-        env["PAGEDKV_VLLM_SANITIZER"] = addr
-        env.update(extra or {})
-    try:
-        p = subprocess.run([str(vllm_python()), __file__, "--child", model, str(blocks), str(steps), str(running)],
-                           cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=3600)
-    finally:
-        if lis is not None:
-            lis.close()
-    res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(res[-1][7:])["steps"] if res else p.stderr[-1500:]
+    r = run_child(__file__, [model, blocks, steps, running], blocks, plugin, extra)
+    return r if isinstance(r, str) else r["steps"]
 
 
 def main(argv=None) -> None:
@@ -78,10 +61,7 @@ def main(argv=None) -> None:
     if a.child:
         return child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]))
     from tqdm.auto import tqdm
-    from workbench.adapters.vllm.server import vllm_python
-    model = subprocess.run([str(vllm_python()), "-c", "from workbench.adapters.vllm.tiny_model import "
-                            "write_tiny_model_dir as w; print(w())"], cwd=str(ROOT), capture_output=True, text=True,
-                           check=True).stdout.strip().splitlines()[-1]
+    model = tiny_model()
     print(f"{'blocks':>9} {'plugin':>6} | {'median ms':>9} {'p99 ms':>8} {'worst ms':>9}")
     for blocks in tqdm(a.blocks, desc="pool sizes", leave=False):
         got = {}

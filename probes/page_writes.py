@@ -147,7 +147,7 @@ class PageWriteLedger:
             self.verified.append((rid, lo, hi))
             if bad.any():
                 j = int(np.argmax(bad))
-                found.append(self._mismatch(rid, tokens, int(pos[j]), int(slots[j]), pages))
+                found.append(self._mismatch(rid, tokens, int(pos[j]), int(slots[j])))
         # ---- record this step's writes at the slots the kernel was handed
         total = sum(n for _, n, _ in wrote)
         sm = np.asarray(slot_mapping, dtype=np.int64)[:total] if slot_mapping is not None else None
@@ -167,7 +167,7 @@ class PageWriteLedger:
             self.state[rid] = (c + n, int(s_all[starts[k] + lens[k] - 1]))
         return found
 
-    def _mismatch(self, rid, tokens, pos: int, slot: int, pages) -> Mismatch:
+    def _mismatch(self, rid, tokens, pos: int, slot: int) -> Mismatch:
         ps = self.page_size
         page, j = slot // ps, pos // ps
         w = int(self.writer[slot])

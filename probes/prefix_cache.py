@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 from probes.page_writes import PageWriteLedger
-from probes.provenance import chain
 from workbench.events import EngineIdle, PagesRegistered, RequestFinished, StepFinished
 from workbench.probe import Probe
 
@@ -41,12 +40,6 @@ HINT_REG = ("a page was entered in the prefix cache under another index than the
 HINT_INDEX = ("the prefix index maps a hash to a page that now holds another request's K/V: an eviction "
               "(PagePool.allocate handing out a cached-free page) must drop the page's entry, and nothing "
               "may write into an indexed page; flush the prefix cache (engine.reset_prefix_cache()) after the fix")
-
-
-def history_crcs(tokens, num_pages: int, page_size: int) -> list[int]:
-    """CRC32 chained over the token ids of pages 0..num_pages-1 (each entry covers all before it):
-    probes/provenance.py's chain, the digest the vLLM plugin's prefix provenance uses too."""
-    return chain(tokens, page_size, num_pages)
 
 
 class PrefixCacheProbe(Probe):

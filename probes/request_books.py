@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-LIVE = ("intake", "waiting", "preempted", "running")
-ENDED = ("finished", "aborted")
 HINTS = {
     "lost": "a request accepted by add_request never reached the scheduler's queues (or left them without "
             "finishing): check what moves requests from the submission queue to the scheduler and every path "
@@ -37,6 +35,12 @@ HINTS = {
                         "running, so it may be scheduled again",
     "unknown": "a request is queued that the submission API never handed out",
 }
+
+
+def ended_state(reason) -> str:
+    """"aborted" for an abort (our engine's "abort", vLLM's FINISHED_ABORTED / FinishReason.ABORT), else
+    "finished": the one rule both engines' books end a request by."""
+    return "aborted" if "abort" in str(reason).lower() else "finished"
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes.request_books import HINTS, RequestBooks
+from probes.request_books import HINTS, RequestBooks, ended_state
 from workbench.events import EngineIdle, RequestFinished, RequestSubmitted, StepFinished
 from workbench.probe import Probe
 
@@ -35,8 +35,7 @@ class RequestLifecycleProbe(Probe):
         self.listen(EngineIdle, lambda e: self.reconcile(e.step))
 
     def on_finished(self, e: RequestFinished) -> None:
-        state = "aborted" if e.reason == "abort" else "finished"
-        problem = self.books.ended_now(e.request_id, state, e.step, e.reason)
+        problem = self.books.ended_now(e.request_id, ended_state(e.reason), e.step, e.reason)
         if problem is not None:
             self._report(problem)
 

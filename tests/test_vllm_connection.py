@@ -4,6 +4,7 @@ Real endpoints, no vLLM: a /metrics server over HTTP on 127.0.0.1 (that the test
 KV-event address nothing publishes to, and a real ZMQ PUB sending malformed sanitizer messages."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -114,18 +115,33 @@ def step_frames(step: int, n: int = N, ref_len: int | None = None, arrays: int =
     return [b"step", json.dumps(header).encode(), *[a.tobytes() for a in (ref, owner, cached)][:arrays]]
 
 
-def test_malformed_sanitizer_messages_are_named_and_the_last_good_pool_stays():
+@contextlib.contextmanager
+def publishing(on_step=None):
+    """(connection, a plugin-like ZMQ PUB connected to it, its listener), past the slow joiner: a hello is
+    sent until the listener has heard one (hellos touch neither the steps nor the pool)."""
     addr = free_addr()
     conn = VllmConnection(None, sanitizer=addr)
+    if on_step is not None:
+        from workbench.events import VllmStepChecked
+        conn.bus.subscribe(VllmStepChecked, on_step)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.linger = 0
     pub.connect(addr)
     lst = conn.sanitizer
     try:
-        # past the slow joiner (hellos touch neither the steps nor the pool), then one good snapshot
         hello = [b"hello", json.dumps({"pid": 1, "process": "EngineCore_DP0", "vllm_version": "0.32"}).encode()]
         assert wait_until(lambda: (pub.send_multipart(hello), lst.messages)[1], timeout=5)
+        yield conn, pub, lst
+    finally:
+        pub.close(0)
+        ctx.term()
+        conn.close()
+
+
+def test_malformed_sanitizer_messages_are_named_and_the_last_good_pool_stays():
+    with publishing() as (conn, pub, lst):
+        # one good snapshot first
         pub.send_multipart(step_frames(1))
         assert wait_until(lambda: conn.pool is not None)
         good = conn.pool
@@ -159,10 +175,6 @@ def test_malformed_sanitizer_messages_are_named_and_the_last_good_pool_stays():
         # and the listener carries on: the next good message is applied
         pub.send_multipart(step_frames(4))
         assert wait_until(lambda: conn.pool.step == 4)
-    finally:
-        pub.close(0)
-        ctx.term()
-        conn.close()
 
 
 def test_a_sanitizer_address_off_loopback_is_refused_at_connect_time():
@@ -220,19 +232,8 @@ def test_dashboard_builds_without_a_server_and_closes_cleanly():
 def test_a_step_row_without_timings_reaches_the_timelines():
     # the idle sweep's row has no step time; a row may carry no check time either: the step still
     # becomes a VllmStepChecked (times None), nothing raises in the listener's thread
-    from workbench.events import VllmStepChecked
-    addr = free_addr()
-    conn = VllmConnection(None, sanitizer=addr)
     got = []
-    conn.bus.subscribe(VllmStepChecked, got.append)
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.linger = 0
-    pub.connect(addr)
-    lst = conn.sanitizer
-    try:
-        hello = [b"hello", json.dumps({"pid": 1, "process": "EngineCore_DP0", "vllm_version": "0.32"}).encode()]
-        assert wait_until(lambda: (pub.send_multipart(hello), lst.messages)[1], timeout=5)
+    with publishing(on_step=got.append) as (conn, pub, lst):
         frames = step_frames(7)
         header = json.loads(frames[1])
         header.update(step_s=None, check_s=None)
@@ -241,7 +242,3 @@ def test_a_step_row_without_timings_reaches_the_timelines():
         assert wait_until(lambda: len(got) >= 2), lst.errors
         assert [(e.step, e.step_ns, e.check_ns) for e in got[:2]] == [(7, None, None), (8, 10_000_000, 0)]
         assert lst.errors == []
-    finally:
-        pub.close(0)
-        ctx.term()
-        conn.close()

@@ -27,12 +27,3 @@ class LiveRequests:
     def take(self, request_id) -> Sequence | None:
         """The live sequence an abort names, removed; None when it is unknown or already finished."""
         return self._by_id.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def __contains__(self, request_id) -> bool:
-        return request_id in self._by_id
-
-    def ids(self) -> list:
-        return list(self._by_id)

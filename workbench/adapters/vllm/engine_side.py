@@ -263,18 +263,20 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
             lo, hi = self._slice(n)
             idx = np.fromiter((b for b in self.touched if 0 <= b < n and b != null and not lo <= b < hi),
                               dtype=np.int64)
-            if hi > lo:
-                sl = np.arange(lo, hi, dtype=np.int64)
-                idx = np.concatenate([idx, sl[sl != null] if null is not None else sl])
             ref = np.fromiter((blocks[b].ref_cnt for b in idx), dtype=np.int64, count=len(idx))
             inq = np.fromiter((in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
+            if hi > lo:                               # the slice read once: its rules here, its snapshot sent
+                ref_sl, inq_sl = self._read_slice(blocks, lo, hi)
+                sl = np.arange(lo, hi, dtype=np.int64)
+                keep = sl != null if null is not None else np.ones(hi - lo, dtype=bool)
+                idx, ref, inq = (np.concatenate([idx, sl[keep]]), np.concatenate([ref, ref_sl[keep]]),
+                                 np.concatenate([inq, inq_sl[keep]]))
             expected = self.ledger.counts[idx] + np.fromiter((len(pins.get(int(b), ())) for b in idx),
                                                             dtype=np.int64, count=len(idx))
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
                                                      pins, self.ledger.optional[idx], self.ledger.who)
             if hi > lo:
-                arrays, extra = self._slice_snapshot(blocks, lo, hi, ref[-(hi - lo):] if null is None or
-                                                     not lo <= null < hi else None, inq, idx)
+                arrays, extra = self._slice_snapshot(blocks, lo, hi, ref_sl, inq_sl)
         if deferred is not None:
             if self.step != deferred or scheduler.requests:
                 return                                # vLLM stepped while we walked: not one pool state
@@ -297,8 +299,6 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
             # different blocks); the others per block
             self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["request_id"],
                                                     None if f["kind"] == "leak" else f["page"]))
-
-
 
 
 # managers of a modelled family whose rules differ from their base's: R-SWA frees a middle gap,

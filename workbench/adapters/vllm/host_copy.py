@@ -40,8 +40,9 @@ def _event(device):
 class Pending:
     """One step's copies: arrays once ready()."""
 
-    def __init__(self, arrays: dict, event, payload):
+    def __init__(self, arrays: dict, event, payload, on_host: bool):
         self._arrays, self.event, self.payload = arrays, event, payload
+        self.on_host = on_host          # every tensor was on the host: read already, nothing deferred
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -91,11 +92,11 @@ class HostCopies:
             arrays[name] = buf.view(t.shape)
             device = t.device
             self.copies += 1
-        p = Pending(arrays, None if device is None else _event(device), payload)
+        p = Pending(arrays, None if device is None else _event(device), payload, device is None)
         if device is not None:
             self.pending.append(p)
             while len(self.pending) > self.depth:
-                self._release(self.pending.popleft())
+                self.release(self.pending.popleft())
                 self.dropped += 1
         return p
 
@@ -108,9 +109,7 @@ class HostCopies:
         return out
 
     def release(self, p: Pending) -> None:
-        self._release(p)
-
-    def _release(self, p: Pending) -> None:
+        """p's pinned buffers back to the free lists (once its arrays have been read)."""
         for name, v in p._arrays.items():
             if v is not None and not isinstance(v, np.ndarray):
                 base = v._base if getattr(v, "_base", None) is not None else v

@@ -30,15 +30,16 @@ class PoolSweep:
         self.cursor = hi if hi < n else 0
         return lo, hi
 
-    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, inq, idx):
+    def _read_slice(self, blocks, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ref_cnt, on the free queue) of blocks lo..hi-1, the null block included."""
+        ref = np.fromiter((blocks[b].ref_cnt for b in range(lo, hi)), dtype=np.int64, count=hi - lo)
+        free = np.fromiter((in_queue(blocks[b]) for b in range(lo, hi)), dtype=bool, count=hi - lo)
+        return ref, free
+
+    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, free):
         """The slice's part of the page map's snapshot (ref, owner, cached), sent with its offset: the
         listener patches it into its last full snapshot. Owners from the ledger's last holder of each
         block (a name the dashboard colours by), not a scan."""
-        if ref is None:                                   # the null block sat in the slice: read it whole
-            ref = np.fromiter((blocks[b].ref_cnt for b in range(lo, hi)), dtype=np.int64, count=hi - lo)
-            free = np.fromiter((in_queue(blocks[b]) for b in range(lo, hi)), dtype=bool, count=hi - lo)
-        else:
-            free = inq[-(hi - lo):]
         hashed = np.fromiter((blocks[b].block_hash is not None for b in range(lo, hi)), dtype=bool, count=hi - lo)
         owner = np.full(hi - lo, -1, dtype=np.int32)
         new = {}

@@ -10,9 +10,7 @@ queues), in two, ended twice, or ended and still queued is an error naming it.
 """
 from __future__ import annotations
 
-import time
-
-from probes.request_books import RequestBooks
+from probes.request_books import RequestBooks, ended_state
 
 from . import sanitizer
 
@@ -24,7 +22,6 @@ class RequestWatch:
         self.rep, self.every = rep, every
         self.books = RequestBooks(grace_steps=2)
         self.step = 0
-        self.check_s = 0.0
 
     def on_add(self, scheduler, request) -> None:
         self.books.handed_out(str(request.request_id), self.step)
@@ -32,22 +29,18 @@ class RequestWatch:
     def on_finish_requests(self, scheduler, finished) -> None:
         for r in finished or ():
             status = getattr(getattr(r, "status", None), "name", "FINISHED")
-            state = "aborted" if "ABORT" in status else "finished"
-            self._say(self.books.ended_now(str(r.request_id), state, self.step, status))
+            self._say(self.books.ended_now(str(r.request_id), ended_state(status), self.step, status))
 
     def on_update(self, scheduler, outputs) -> None:
-        t0 = time.perf_counter()
         self.step += 1
         for eco in (outputs or {}).values():
             for o in getattr(eco, "outputs", None) or ():
                 reason = getattr(o, "finish_reason", None)
                 if reason is not None:
-                    state = "aborted" if "ABORT" in str(reason).upper() else "finished"
-                    self._say(self.books.ended_now(str(o.request_id), state, self.step, str(reason)))
+                    self._say(self.books.ended_now(str(o.request_id), ended_state(reason), self.step, str(reason)))
         if self.step % self.every == 0 or not scheduler.requests:
             for p in self.books.reconcile(self.step, places(scheduler)):
                 self._say(p)
-        self.check_s += time.perf_counter() - t0
 
     def _say(self, p) -> None:
         if p is None:

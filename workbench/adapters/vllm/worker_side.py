@@ -194,7 +194,7 @@ class MetadataWatch:
                      np.array(qsl[:n + 1], copy=True)))
         self.since_check = 0
         self.check_s += time.perf_counter() - t0
-        if snap.ready() and snap not in self.copies.pending:
+        if snap.on_host:                                 # nothing deferred: judged now
             self._judge(snap)
 
     def judge_landed(self) -> None:
