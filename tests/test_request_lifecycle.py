@@ -232,3 +232,29 @@ def test_a_long_clean_run_with_a_submission_storm_is_silent(sharp_llama_dir):
     assert books.handed_out_count == books.ended_count == 192 and not books.live
     pc = wb.probe("prefix_cache")
     assert pc.hits_checked > 0 and pc.index_pages_checked > 0 and pc.ledger.slots_written > 0
+
+
+def test_a_preemption_that_drops_its_victim_is_named_lost(sharp_llama_dir, monkeypatch):
+    # Not a catalogue fault: Scheduler._preempt patched on the class the engine calls, as a refactor might
+    # write it: the victim's pages are released, but it is never put back in the waiting queue.
+    from workbench.engine.scheduler import Scheduler
+    dropped = []
+
+    def preempt_and_forget(self, seq):
+        seq.last_preemption = (len(seq.pages), seq.num_computed_tokens)
+        self._drop(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        dropped.append(seq.request_id)                      # the bug: no self.waiting.appendleft(seq)
+    monkeypatch.setattr(Scheduler, "_preempt", preempt_and_forget)
+    eng = engine(sharp_llama_dir, num_pages=10, max_num_seqs=8)
+    wb = Workbench(eng, log=False).attach(*PROBES)
+    rng = np.random.default_rng(4)
+    ids = [eng.add_request(rng.integers(3, 256, 30).tolist(), SamplingParams(max_tokens=40, ignore_eos=True))
+           for _ in range(4)]
+    outs = drive(eng)
+    assert dropped and not eng.has_unfinished()
+    assert {r for r, _ in finals(outs)} == set(ids) - set(dropped)           # their callers never hear back
+    lost = errors(wb, "request-lost")
+    assert {f.request_id for f in lost} == set(dropped)
+    assert all(f.evidence["last_place"] == "running" for f in lost)
