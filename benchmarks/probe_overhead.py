@@ -38,14 +38,17 @@ def main(argv=None):
     engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))
     run(engine, workload(4, seed=1), 4)                    # warm-up
     wb = Workbench(engine, log=True)
-    off, on, costs = [], [], []
-    for _ in range(a.repeats):                             # alternate, so drift hits both
+    off, on, bare, costs = [], [], [], []
+    for _ in range(a.repeats):                             # alternate, so drift hits all three
         off.append(run(engine, prompts, a.new_tokens))
         wb.attach()
         on.append(run(engine, prompts, a.new_tokens))
         costs.append(wb.costs())
         wb.detach()
         wb.log.detach()
+        nolog = Workbench(engine, log=False).attach()      # the probes alone: what the event log adds
+        bare.append(run(engine, prompts, a.new_tokens))
+        nolog.detach()
         wb = Workbench(engine, log=True)
         wb.log.detach()
     wb.log = None
@@ -54,6 +57,7 @@ def main(argv=None):
     print(f"no probe : {toks / t_off:7.1f} output tok/s ({t_off:.2f} s)")
     print(f"all probes + event log: {toks / t_on:7.1f} output tok/s ({t_on:.2f} s)")
     print(f"throughput lost with every probe on: {1 - t_off / t_on:.1%} (target <= 5%)")
+    print(f"  of which the probes alone (no event log): {1 - t_off / min(bare):.1%}")
     best = costs[on.index(t_on)]                           # each probe's own callbacks, timed where they run
     best["share_of_run"] = best["seconds"] / t_on
     print("time inside each probe's callbacks in that run (Probe.guard times them):")

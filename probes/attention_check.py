@@ -39,6 +39,8 @@ query position and page.
 """
 from __future__ import annotations
 
+import functools
+
 import time
 
 import numpy as np
@@ -75,16 +77,28 @@ HINT_READ = ("the pages hold the right K/V but attention over them is wrong: che
 class _Tap(ModelTap):
     needs = frozenset({"q", "kv", "attention_out", "hidden"})
 
-    def __init__(self, on_q, on_kv, on_out, on_hidden):
+    def __init__(self, on_q, on_kv, on_out, on_hidden, forward_layers):
         self.on_q, self.on_kv, self.on_attention_out, self.on_hidden = on_q, on_kv, on_out, on_hidden
+        self.forward_layers = forward_layers     # the checked layer and the one before (its input)
 
 
-def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies, recomputed here from (d, theta), not read from the model, once."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    return torch.cat([inv, inv])[None]
+
+
+def _rope_tables(pos: torch.Tensor, d: int, theta: float):
+    """cos, sin [r, 1, d] at positions pos [r]."""
+    emb = (pos.float()[:, None] * _inv_freq(d, float(theta), pos.device))[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def _rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float, tables=None) -> torch.Tensor:
     """x [r, H, D] rotated at positions pos [r] (the rotate-half convention of model.apply_rope)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
-    emb = torch.cat([pos.float()[:, None] * inv[None]] * 2, dim=-1)[:, None, :]
-    return _rope(x, emb.cos(), emb.sin())
+    cos, sin = tables if tables is not None else _rope_tables(pos, x.shape[-1], theta)
+    return _rope(x, cos, sin)
 
 
 class AttentionCheckProbe(Probe):
@@ -107,7 +121,7 @@ class AttentionCheckProbe(Probe):
 
     def on_attach(self, engine) -> None:
         self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out),
-                         self.guard(self._on_hidden))
+                         self.guard(self._on_hidden), self.guard(self._forward_layers))
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
@@ -126,6 +140,16 @@ class AttentionCheckProbe(Probe):
         return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16])[0] for d in dts)
 
     # ---- taps ------------------------------------------------------------------------------
+    def _forward_layers(self, batch):
+        """Once per forward: pick the row and layer; the hooks then call the taps at that layer and
+        the one before it (whose hidden state is the checked layer's input) only."""
+        self._q = None
+        self.forwards += 1
+        p = self._plan = self._pick(batch)
+        if p is None:
+            return ()
+        return (p["layer"] - 1, p["layer"]) if p["layer"] else (0,)
+
     def _on_q(self, layer, q) -> None:
         self._q = (layer, q)
 
@@ -136,9 +160,6 @@ class AttentionCheckProbe(Probe):
 
     def _on_kv(self, layer, k, v, batch) -> None:
         q, self._q = self._q, None
-        if layer == 0:
-            self.forwards += 1
-            self._plan = self._pick(batch)
         p = self._plan
         if p is None or layer != p["layer"]:
             return
@@ -219,7 +240,8 @@ class AttentionCheckProbe(Probe):
             qkv = Ly.qkv(_rms(p["h"], Ly.norm_attn, cfg.rms_norm_eps)).float()
             q_raw = qkv[:, : m.q_size].view(len(sel), cfg.num_heads, hd)
             k_raw = qkv[:, m.q_size: m.q_size + m.kv_size].view(len(sel), cfg.num_kv_heads, hd)
-            want_q, want_k = _rope_at(q_raw, pos, cfg.rope_theta), _rope_at(k_raw, pos, cfg.rope_theta)
+            tables = _rope_tables(pos, hd, cfg.rope_theta)            # q and k share the positions
+            want_q, want_k = _rope_at(q_raw, pos, cfg.rope_theta, tables), _rope_at(k_raw, pos, cfg.rope_theta, tables)
             k_sel = p["k"].index_select(0, sel)
             eq = _rel_rows(p["q"], want_q) if p["q"] is not None else torch.zeros(len(sel))
             ek = _rel_rows(k_sel, want_k)

@@ -20,11 +20,15 @@ the model dtype. inf/NaN anywhere is an error. Each finding names the FIRST laye
 the step with the problem, the page (slot // page_size) and the request of the first
 offending token, and its hint points at kv_cache_dtype="fp16_scaled" (or bfloat16).
 
+After the last layer, a measured forward of more than STASH_ROWS rows (a prefill) is read for
+its sampled rows only: the model prunes the others there, and keeping them would cost about a
+layer's worth of a prefill's linears; every earlier layer sees every row.
+
 Cost: measured every `every`-th step (default 4, counted from the first step seen).
 A measured step adds per layer a few reductions over K, V and h and a qkv matmul over
 one row per sequence, plus a device-to-host copy of the stats and one of the per-page
 maxima (page_history=0 turns the pages off) per measured step; an unmeasured step costs
-two Python calls per layer. Measured on SmolLM2-135M (fp32, 8 decode streams, CPU time
+one Python call (forward_layers says: no layer). Measured on SmolLM2-135M (fp32, 8 decode streams, CPU time
 of one thread, median of 5 interleaved runs): 60.1 ms per decode step without the probe,
 69.9 ms measuring every step (66.9 ms with scores=False), 59.6 ms with every=4 (the
 expected ~+4% is below the run-to-run noise).
@@ -44,6 +48,7 @@ from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
 FP16_MAX = 65504.0
+STASH_ROWS = 64          # a measured forward of at most this many rows is reduced once, at its end
 HINT = ('store the KV cache as fp16 with a scale per page: EngineConfig(kv_cache_dtype="fp16_scaled"); '
         'or use bfloat16 (kv_cache_dtype="bfloat16" / dtype="bfloat16"), whose range reaches 3.4e38')
 HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16")) or float32; '
@@ -53,18 +58,23 @@ HIDDEN_HINT = ('run the activations in bfloat16 (EngineConfig(dtype="bfloat16"))
 
 class _Tap(ModelTap):
     """What ModelHooks calls; each method already guarded by the probe (set on the instance: no
-    extra call per layer). q feeds the score bound (computed in on_kv)."""
+    extra call per layer). q feeds the score bound (computed in on_kv). forward_layers decides, once
+    per forward, whether the hooks call it at all."""
 
-    def __init__(self, on_kv, on_hidden, on_q=None, measuring=lambda: True):
+    def __init__(self, on_kv, on_hidden, on_q=None, measuring=lambda: True, forward_layers=None):
         self.on_kv, self.on_hidden = on_kv, on_hidden
+        if forward_layers is not None:     # every layer on a measured forward, none on the others
+            self.forward_layers = forward_layers
         self._measuring = measuring
         self.needs = frozenset({"kv", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
         if on_q is not None:
             self.on_q = on_q
 
     def reads_every_row(self) -> bool:
-        """Every row's last hidden state is read on measured steps only: on the others the model
-        may run its last layer for the sampled rows alone."""
+        """Every row's last hidden state is read on measured forwards of at most STASH_ROWS rows
+        only. On the others, and on big prefill forwards, the model runs its last layer for the
+        sampled rows alone (keeping every row would add ~1/L of a prefill's linears); the layers
+        before it see every row."""
         return self._measuring()
 
 
@@ -95,7 +105,7 @@ class FP16OverflowProbe(Probe):
         self._score_scale = engine.attn.scale
         self._q, self._recompute = None, False
         self._tap = _Tap(self.guard(self._on_kv), self.guard(self._on_hidden), self.guard(self._on_q),
-                         measuring=lambda: self._active)
+                         measuring=lambda: self._active and self._stash, forward_layers=self.guard(self._forward_layers))
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
@@ -119,6 +129,11 @@ class FP16OverflowProbe(Probe):
         self._kv_fp16 = self._kv_dtype == torch.float16 and not scaled
         self._kv_scaled = scaled
 
+    def _forward_layers(self, batch):
+        """Every layer on a measured forward, none on the others (an unmeasured step costs one call)."""
+        self._begin(batch)
+        return self._active
+
     def _begin(self, batch) -> None:
         step = self.engine.step_count
         if self._first_step is None:
@@ -131,25 +146,28 @@ class FP16OverflowProbe(Probe):
         self._tk, self._tv, self._th = [None] * L, [None] * L, [None] * L
         self._qk = [None] * L
         self._rows = (batch.cu_seqlens_q[1:].long() - 1)            # last token of each sequence
-        # q for the score bound: from the model's hook (on_q came before this on_kv), else
-        # recomputed from each layer's input rows, which are then tracked through the layers
-        self._recompute = self.scores and self._q is None
+        # Few rows (decode): keep each layer's K, V, q rows and h (views the model no longer writes)
+        # and reduce all layers in _finish with a handful of ops, not a handful per layer.
+        self._stash = batch.input_ids.shape[0] <= STASH_ROWS
         self._h_in = None
-        if self._recompute:
-            m = self.engine.model
-            self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), m.embed)
 
     def _on_q(self, layer, q) -> None:
         self._q = q                      # this layer's queries [T, Hq, D]; read in _on_kv right after
 
     def _on_kv(self, layer, k, v, batch) -> None:
-        if layer == 0:
-            self._begin(batch)
         if not self._active:
             self._q = None
             return
-        self._tk[layer] = row_absmax(k)
-        self._tv[layer] = row_absmax(v)
+        if layer == 0:
+            # q for the score bound: from the model's hook (on_q came right before), else
+            # recomputed from each layer's input rows, which are then tracked through the layers
+            self._recompute = self.scores and self._q is None
+            if self._recompute:
+                self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), self.engine.model.embed)
+        if self._stash:
+            self._tk[layer], self._tv[layer] = k, v
+        else:
+            self._tk[layer], self._tv[layer] = row_absmax(k), row_absmax(v)
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
@@ -158,24 +176,53 @@ class FP16OverflowProbe(Probe):
                 L = m.layers[layer]
                 q = L.qkv(rms_norm(self._h_in, L.norm_attn, m.cfg.rms_norm_eps))[:, : m.q_size]
             self._q = None
-            qn = q.float().reshape(q.shape[0], -1, m.cfg.head_dim).norm(dim=-1).amax()
-            kn = k.float().norm(dim=-1).amax()
-            self._qk[layer] = torch.stack([qn, kn])
+            if self._stash:
+                self._qk[layer] = q
+            else:
+                qn = q.float().reshape(q.shape[0], -1, m.cfg.head_dim).norm(dim=-1).amax()
+                kn = k.float().norm(dim=-1).amax()
+                self._qk[layer] = torch.stack([qn, kn])
 
     def _on_hidden(self, layer, h, batch) -> None:
         if not self._active:
             return
-        self._th[layer] = row_absmax(h)
-        if self._recompute:
+        if self._stash:
+            self._th[layer] = h
+        else:
+            r = row_absmax(h)
+            T = batch.input_ids.shape[0]
+            if r.shape[0] != T:          # the last layer ran for the sampled rows only: the others read 0
+                r = torch.zeros(T, dtype=r.dtype, device=r.device).index_copy_(0, batch.logits_indices, r)
+            self._th[layer] = r
+        if self._recompute and layer < self._L - 1:
             self._h_in = h.index_select(0, self._rows)
         if layer == self._L - 1:
             self._active = False
+            if self._stash:
+                self._reduce_stash()
             self._finish(batch)
+
+    def _reduce_stash(self) -> None:
+        """The stashed layers' tensors reduced as the per-layer path does, all layers at once."""
+        L, hd = self._L, self.engine.model.cfg.head_dim
+        T = self._tk[0].shape[0]
+
+        def per_row(ts):
+            return row_absmax(torch.stack([t.reshape(T, -1) for t in ts]).reshape(L * T, -1)).view(L, T)
+
+        ks = torch.stack([k.reshape(T, -1) for k in self._tk])                       # [L, T, Hkv*D]
+        self._tk, self._tv, self._th = per_row(self._tk), per_row(self._tv), per_row(self._th)
+        if self.scores and self._qk[0] is not None:
+            q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
+            qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)
+            kn = ks.float().reshape(L, -1, hd).norm(dim=-1).amax(1)
+            self._qk = list(torch.stack([qn, kn], 1))
 
     # ---- one measured step ----------------------------------------------------------
     def _finish(self, batch) -> None:
         step = self.engine.step_count
-        K, V, H = (torch.stack(t).float() for t in (self._tk, self._tv, self._th))      # [L, T]
+        K, V, H = (t.float() if torch.is_tensor(t) else torch.stack(t).float()          # [L, T]
+                   for t in (self._tk, self._tv, self._th))
         parts = [K.amax(1), V.amax(1), H.amax(1), (~K.isfinite()).sum(1), (~V.isfinite()).sum(1),
                  (~H.isfinite()).sum(1)]
         if self.scores:

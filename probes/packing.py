@@ -98,6 +98,9 @@ class FirstLayerTap(ModelTap):
         # without after_fn, no call after each layer's attention
         self.needs = frozenset({"kv", "attention_out"} if after_fn is not None else {"kv"})
 
+    def forward_layers(self, batch):
+        return (0,)                    # the hooks skip it at every other layer
+
     def on_kv(self, layer, k, v, batch) -> None:
         if layer == 0:
             self.fn(batch)

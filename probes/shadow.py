@@ -32,10 +32,11 @@ Cost: a check runs L+1 layers over the sequence's ctx tokens, ctx * (L+1) <= `bu
 token-layers (a longer sequence gets a shallower L, or waits for a shorter one), plus a
 ctx x ctx attention per layer. SmolLM2-135M, fp32, 2 busy CPU cores, 16 streams: 30-45 ms,
 0.3-0.6 of a decode step. every=None (the default) spaces checks by time so they take at
-most `overhead` = 1% of the engine's wall time (after 2 warm-up forwards): one check
-per ~35-60 decode steps there; measured over 16 requests x 64 decode tokens, the
-probe's own time was 0.97% of the run (median of 8). every=N checks every N forwards
-(tests: every=1). An unchecked forward costs three Python calls per layer.
+most `overhead` = 0.5% of the engine's wall time (after 2 warm-up forwards): one check
+per ~70-120 decode steps there (it was 1% until the attention probe took over the
+every-forward check of the attention math: the shadow is the time-spaced end-to-end
+recompute). every=N checks every N forwards (tests: every=1). An unchecked forward costs
+one Python call (forward_layers says: no layer).
 """
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ class _Tap(ModelTap):
 
     needs = frozenset({"q", "kv", "attention_out"})
 
-    def __init__(self, on_q, on_kv, on_out):
+    def __init__(self, on_q, on_kv, on_out, forward_layers):
         self.on_q, self.on_kv, self.on_attention_out = on_q, on_kv, on_out
+        self.forward_layers = forward_layers     # the layers up to the checked one, on a checked forward
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,7 +121,7 @@ class ShadowProbe(ShadowFindings, Probe):
     name = "shadow"
     description = "sampled dense recompute of one sequence's K/V and attention vs the paged path"
 
-    def __init__(self, every: int | None = None, budget: int = 512, overhead: float = 0.01,
+    def __init__(self, every: int | None = None, budget: int = 512, overhead: float = 0.005,
                  seed: int = 0, tolerance: float | dict | None = None, max_rows: int = 100_000,
                  on_demand: bool = False, **params):
         super().__init__(every=every, budget=budget, overhead=overhead, seed=seed, tolerance=tolerance,
@@ -144,7 +146,8 @@ class ShadowProbe(ShadowFindings, Probe):
 
     # ---- lifecycle ---------------------------------------------------------------
     def on_attach(self, engine) -> None:
-        self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out))
+        self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out),
+                         self.guard(self._forward_layers))
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
@@ -181,14 +184,19 @@ class ShadowProbe(ShadowFindings, Probe):
             return self.forwards > AUTO_WARMUP and time.perf_counter() >= self._next_time
         return self._last_forward is None or self.forwards - self._last_forward >= self.every
 
+    def _forward_layers(self, batch):
+        """Once per forward: whether a check is due and of what; the hooks call the taps at the
+        layers up to the checked one on that forward, at none on the others."""
+        self._q = None
+        self.forwards += 1
+        p = self._plan = self._pick(batch) if self._due() else None
+        return range(p["layer"] + 1) if p is not None else ()
+
     def _on_q(self, layer, q) -> None:
         self._q = (layer, q)             # comes right before on_kv of the same layer
 
     def _on_kv(self, layer, k, v, batch) -> None:
         q, self._q = self._q, None
-        if layer == 0:
-            self.forwards += 1
-            self._plan = self._pick(batch) if self._due() else None
         p = self._plan
         if p is None or layer > p["layer"]:
             return

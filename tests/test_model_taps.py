@@ -123,3 +123,55 @@ def test_only_a_tap_declaring_every_row_keeps_the_last_layers_rows(eng):
     seen = run(Sometimes({"every_row_hidden"}, last, lambda: calls.append(1) or len(calls) == 1))
     assert seen[0][0] == seen[0][1] > seen[0][2] and all(h == s for h, _, s in seen[1:])
     assert len(calls) == sum(n > s for _, n, s in seen)   # a decode forward samples every row: not asked
+
+
+def test_a_tap_scoping_its_layers_is_called_at_those_only(eng):
+    """forward_layers(batch), asked once per forward: the hooks call the tap at the layers it names
+    (True: all, anything else: none); the other taps still see every layer."""
+    L = eng.model_config.num_layers
+    plan = iter([True, {L - 1}, (), None])      # PARAMS: one prefill and three decode forwards
+
+    class Scoped(ModelTap):
+        needs = frozenset({"q", "kv", "attention_out"})
+
+        def __init__(self):
+            self.asked, self.calls = 0, []
+
+        def forward_layers(self, batch):
+            self.asked += 1
+            return next(plan)
+
+        def on_q(self, layer, q):
+            self.calls.append((self.asked, "q", layer))
+
+        def on_kv(self, layer, k, v, batch):
+            self.calls.append((self.asked, "kv", layer))
+
+        def on_attention_out(self, layer, o, batch):
+            self.calls.append((self.asked, "out", layer))
+
+    class Every(ModelTap):
+        needs = frozenset({"kv"})
+
+        def __init__(self):
+            self.layers = []
+
+        def on_kv(self, layer, k, v, batch):
+            self.layers.append(layer)
+
+    want = [o.token_ids for o in eng.generate(PROMPTS, PARAMS)]
+    scoped, every = Scoped(), Every()
+    instrumentation.add_tap(eng, scoped)
+    instrumentation.add_tap(eng, every)
+    try:
+        got = [o.token_ids for o in eng.generate(PROMPTS, PARAMS)]
+    finally:
+        instrumentation.remove_tap(eng, scoped)
+        instrumentation.remove_tap(eng, every)
+    assert got == want
+    assert scoped.asked == PARAMS.max_tokens                        # once per forward
+    by_forward = {}
+    for f, what, layer in scoped.calls:
+        by_forward.setdefault(f, set()).add(layer)
+    assert by_forward == {1: set(range(L)), 2: {L - 1}}             # (): none; None (a failed guard): none
+    assert every.layers == list(range(L)) * PARAMS.max_tokens        # the unscoped tap: every layer, every forward

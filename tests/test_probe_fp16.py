@@ -258,6 +258,10 @@ def test_probe_samples_every_nth_step_and_is_unwired_when_detached(tiny_llama_di
     steps = eng.step_count
     assert probe.measured_steps == -(-steps // 4) and len(probe.frame()) == 2 * probe.measured_steps
     assert sorted(set(probe.frame()["step"])) == list(range(1, steps + 1, 4))
+    # an unmeasured forward costs one guarded call (forward_layers: no layer), a measured one
+    # that plus on_q, on_kv, on_hidden per layer
+    L = eng.model_config.num_layers
+    assert probe.calls == steps + probe.measured_steps * 3 * L
     wb.detach("fp16_overflow")
     assert eng.model.hooks is None and eng.model_hooks.taps == []
 
@@ -302,20 +306,31 @@ def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir)
 
 
 def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
-    """The model runs its last layer for the sampled rows only, except on the steps the probe
-    measures: there every token's last hidden state is computed and measured."""
-    eng = engine(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=48)
-    wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 2})
-    probe = wb.probe("fp16_overflow")
-    down = eng.model.layers[-1].down
-    real_add, seen = down.add, []
-    down.add = lambda x, other: (seen.append((eng.step_count, x.shape[0], eng.last_batch.num_tokens,
-                                              int(eng.last_batch.logits_indices.shape[0]))), real_add(x, other))[1]
-    eng.generate(prompts(4), GREEDY)
-    measured = {r["step"] for r in probe.rows}
-    partial = [(step, rows, t, s) for step, rows, t, s in seen if s < t]      # steps with unsampled rows
-    assert any(step in measured for step, *_ in partial) and any(step not in measured for step, *_ in partial)
-    for step, rows, t, s in partial:
-        assert rows == (t if step in measured else s), (step, rows, t, s)
-    last = [r for r in probe.rows if r["layer"] == eng.model_config.num_layers - 1]
-    assert last and all(r["tokens"] > 0 for r in last)
+    """The model runs its last layer for the sampled rows only, except on the small forwards the
+    probe measures (at most STASH_ROWS rows): there every token's last hidden state is computed and
+    measured. A big measured prefill keeps the pruning (a layer's worth of its linears): its last
+    layer is measured over the sampled rows."""
+    from probes.fp16_overflow import STASH_ROWS
+    for budget in (48, 4 * STASH_ROWS):
+        eng = engine(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 2})
+        probe = wb.probe("fp16_overflow")
+        down = eng.model.layers[-1].down
+        real_add, seen = down.add, []
+        down.add = lambda x, other: (seen.append((eng.step_count, x.shape[0], eng.last_batch.num_tokens,
+                                                  int(eng.last_batch.logits_indices.shape[0]))),
+                                     real_add(x, other))[1]
+        eng.generate(prompts(4), GREEDY)
+        measured = {r["step"] for r in probe.rows}
+        partial = [(step, rows, t, s) for step, rows, t, s in seen if s < t]      # steps with unsampled rows
+        assert any(step in measured for step, *_ in partial)
+        if budget <= STASH_ROWS:
+            assert any(step not in measured for step, *_ in partial)
+        for step, rows, t, s in partial:
+            keeps_all = step in measured and t <= STASH_ROWS
+            assert rows == (t if keeps_all else s), (budget, step, rows, t, s)
+        last = [r for r in probe.rows if r["layer"] == eng.model_config.num_layers - 1]
+        assert last and all(r["tokens"] > 0 and np.isfinite(r["hidden_absmax"]) and r["hidden_absmax"] > 0
+                            for r in last)
+        if budget > STASH_ROWS:
+            assert any(t > STASH_ROWS for step, _, t, _ in partial if step in measured)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .attention import native
 from .pages import POOL_EVENTS
-from .taps import NEEDS, ModelTap, validate  # NEEDS, ModelTap: also reachable from here, with add_tap
+from .taps import NEEDS, ModelTap, scopes_layers, validate  # NEEDS, ModelTap: also reachable from here, with add_tap
 from ..events import AttentionRead, EventBus, KVWritten, now_ns
 
 
@@ -21,7 +21,8 @@ class ModelHooks:
     def __init__(self, engine):
         self.engine = engine
         self.bus: EventBus = engine.bus
-        self.kv_bytes_per_page_layer = engine.kv.bytes_per_page // max(1, engine.model_config.num_layers)
+        self.num_layers = engine.model_config.num_layers
+        self.kv_bytes_per_page_layer = engine.kv.bytes_per_page // max(1, self.num_layers)
         self.set_taps([])
 
     @property
@@ -29,14 +30,43 @@ class ModelHooks:
         return [t for t, _ in self._declared]
 
     def set_taps(self, declared: list) -> None:
-        """Install these taps, (tap, its validated needs) each: one list of bound methods per need.
-        The needs are the ones add_tap froze, whatever the tap's attribute says later."""
-        self._declared = needs = list(declared)
-        self._q = [t.on_q for t, n in needs if "q" in n]
-        self._kv = [t.on_kv for t, n in needs if "kv" in n]
-        self._out = [t.on_attention_out for t, n in needs if "attention_out" in n]
-        self._hidden = [t.on_hidden for t, n in needs if "hidden" in n or "every_row_hidden" in n]
-        self._every_row = [t.reads_every_row for t, n in needs if "every_row_hidden" in n]
+        """Install these taps, (tap, its validated needs) each: per need, one list of bound methods
+        per layer. The needs are the ones add_tap froze, whatever the tap's attribute says later."""
+        self._declared = list(declared)
+        self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
+        self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
+        self._active = None
+        self._build([True] * len(self._declared))
+
+    def _build(self, active: list) -> None:
+        """The per-layer call lists for taps active at these layers (True: every layer)."""
+        self._active = active
+        L = self.num_layers
+
+        def per_layer(needs: set, method: str) -> list:
+            fns = [(getattr(t, method), a) for (t, n), a in zip(self._declared, active) if n & needs]
+            if all(a is True for _, a in fns):
+                return [[f for f, _ in fns]] * L
+            return [[f for f, a in fns if a is True or l in a] for l in range(L)]
+
+        self._q = per_layer({"q"}, "on_q")
+        self._kv = per_layer({"kv"}, "on_kv")
+        self._out = per_layer({"attention_out"}, "on_attention_out")
+        self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
+
+    def begin_forward(self, batch) -> None:
+        """Before layer 0: ask the taps that scope themselves which layers they read in this
+        forward; the call lists are rebuilt only when the answer changed."""
+        if not self._scoped:
+            return
+        active = [True] * len(self._declared)
+        for i, ask in self._scoped:
+            got = ask(batch)
+            if got is not True:
+                got = frozenset(got) if isinstance(got, (set, frozenset, list, tuple, range)) else frozenset()
+            active[i] = got
+        if active != self._active:
+            self._build(active)
 
     def on_kv(self, layer, k, v, batch, q=None) -> None:
         bus = self.bus
@@ -44,15 +74,15 @@ class ModelHooks:
             bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, native.absmax(k), native.absmax(v),
                                int(k.shape[0])))
         if q is not None:
-            for fn in self._q:                        # the fp16 probe's score bound, the shadow's q check
+            for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)
-        for fn in self._kv:
+        for fn in self._kv[layer]:
             fn(layer, k, v, batch)
 
     def on_attention(self, layer, batch, bt_read, o=None) -> None:
         """After layer's attention: o [T, Hq, D] is what the paged path produced."""
         if o is not None:
-            for fn in self._out:
+            for fn in self._out[layer]:
                 fn(layer, o, batch)
         bus = self.bus
         if bus.wants(AttentionRead):
@@ -72,7 +102,7 @@ class ModelHooks:
     def on_hidden(self, layer, h, batch) -> None:
         """h: every row's hidden state after `layer`; after the last layer only the sampled rows'
         (batch.logits_indices) unless reads_hidden."""
-        for fn in self._hidden:
+        for fn in self._hidden[layer]:
             fn(layer, h, batch)
 
 

@@ -175,6 +175,8 @@ class LlamaModel:
         rows = batch.logits_indices
         may_prune, pruned = self.prune_unsampled and rows.shape[0] < t, False
         last = len(self.layers) - 1
+        if hooks is not None:
+            hooks.begin_forward(batch)               # taps that read a few layers say which, once
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
             qkv = L.qkv(x)

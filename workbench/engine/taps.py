@@ -15,6 +15,12 @@ the per-layer path looks nothing up.
                   forwards also overrides reads_every_row() (asked once per forward, at the last
                   layer: the fp16 probe on its measured steps).
 
+A tap that reads only some layers of a forward (one layer a step, or every layer one step in four)
+also overrides forward_layers(batch): asked once per forward, before layer 0, it returns the layers
+to call the tap at in this forward (a collection of indices, possibly empty), or True for every
+layer. The hooks then do not call the tap at the others: an idle layer costs the tap nothing, not
+a Python call per need. A tap that does not override it is called at every layer.
+
 `needs` is read once, at add_tap: a class attribute, or set per instance in __init__ (a tap
 whose optional callback decides what it reads); to change it, remove the tap and add it again.
 """
@@ -41,6 +47,12 @@ class ModelTap:
 
     def on_hidden(self, layer, h, batch) -> None:
         raise NotImplementedError(f"{type(self).__name__}.on_hidden: declare 'hidden' in needs and implement it")
+
+    def forward_layers(self, batch):
+        """The layers this forward calls the tap at: True (every layer), or a collection of layer
+        indices (empty: none). Asked once per forward, before layer 0; a result that is neither is
+        taken as none (a guarded probe that failed returns None)."""
+        return True
 
     def reads_every_row(self) -> bool:
         """For a tap declaring "every_row_hidden": whether this forward must keep every row."""
@@ -74,3 +86,8 @@ def validate(tap) -> frozenset:
         raise TypeError(f"{type(tap).__name__} overrides reads_every_row() but does not declare 'every_row_hidden'"
                         f" (it would never be asked)")
     return needs
+
+
+def scopes_layers(tap) -> bool:
+    """Whether the tap overrides forward_layers (the hooks ask it each forward)."""
+    return _overridden(tap, "forward_layers")
