@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -68,8 +69,17 @@ def child(model: str, running: int, blocks: int, steps: int) -> None:
     for _ in range(3):
         core.step_fn()
     rows.clear()
+    prof = None
+    if os.environ.get("PAGEDKV_BENCH_PROFILE"):          # where the plugin's time goes (cProfile, top 30)
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     for _ in range(steps):
         core.step_fn()
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumtime").print_stats(os.environ["PAGEDKV_BENCH_PROFILE"], 40)
     per_step = []
     for k in range(0, len(rows) - 1, 2):
         (a, ta, pa), (b, tb, pb) = rows[k], rows[k + 1]

@@ -133,7 +133,7 @@ MEMBERS = [
     # the ledger's per-group rules and the fault seams (issue 27)
     ("v1/core/single_type_kv_cache_manager.py", "SlidingWindowManager", "get_num_skipped_tokens"),
     ("v1/core/single_type_kv_cache_manager.py", "SingleTypeKVCacheManager", "req_to_blocks block_size"),
-    ("v1/core/block_pool.py", "BlockPool", "touch"),
+    ("v1/core/block_pool.py", "BlockPool", "touch reset_prefix_cache"),
     ("v1/kv_cache_interface.py", "SlidingWindowSpec", "sliding_window extra_retained_tokens"),
     ("v1/kv_cache_interface.py", "ChunkedLocalAttentionSpec", "attention_chunk_size"),
     ("v1/worker/utils.py", "AttentionGroup", "metadata_builders kernel_block_size kernel_block_stride "

@@ -163,6 +163,26 @@ def test_a_prefix_hash_that_forgets_a_token_is_caught_by_provenance(tmp_path):
     assert f.page is not None and "first differing token at position 31" in f.message
 
 
+def test_a_prefix_cache_reset_drops_the_records_and_the_check_still_sees_refilled_blocks(tmp_path):
+    # vLLM's reset_prefix_cache (an RLHF weight update, a harness) at step 2 preempting the running r0,
+    # and again after the run. A reset leaves no hash, so no block can be hit before it is refilled:
+    # the plugin drops its provenance records at once (before, they stayed until refilled). r0 refills
+    # its blocks after the reset; with the hash fault, r1..r3 still hit them and are still named.
+    args = ("--requests", "4", "--max-tokens", "24", "--stagger", "4", "--differ-at", "31",
+            "--reset-prefix", "2:running", "--reset-prefix", "0")
+    clean = inproc(*args)
+    assert clean.rc == 0 and not clean.at_least("warn"), [f.message for f in clean.findings]
+    assert [ok for _, ok in clean.result["prefix_resets"]] == [True, True]
+    assert clean.result["preemptions"] >= 1 and len(clean.result["finished"]) == 4     # r0 was preempted for it
+    sizes = clean.result["plugin_sizes"]
+    assert sizes["prefix_resets"] == 2 and sizes["provenance_records"] == 0, sizes
+    r = inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "prefix_hash_ignores_last_token")})
+    assert r.rc == 0
+    found = {f.request_id: f for f in r.at_least("error") if f.kind == "prefix-provenance"}
+    assert set(found) == {"r1", "r2", "r3"}, [f.message for f in r.findings]
+    assert found["r1"].evidence["filled_for"] == "r0" and found["r1"].evidence["position"] == 31
+
+
 # ---- forward progress (issue 27, item 3) -------------------------------------------------------
 def test_a_request_refused_admission_with_room_in_the_pool_is_stalled_naming_it(tmp_path):
     # r3's prompt (126 tokens) is refused by allocate_slots though the pool has ~1,500 free blocks:

@@ -55,6 +55,7 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         self.crc: dict[tuple[str, int], tuple[int, int]] = {}   # (request, group) -> (blocks digested, digest)
         self.recorder = None                          # the flight recorder (recording.py), in this process
         self.cursor = 0                               # the next block the rotating slice check reads
+        self.prefix_resets = 0                        # vLLM's prefix-cache resets seen (on_prefix_reset)
 
     def _new_ledger(self, scheduler) -> None:
         pool = scheduler.kv_cache_manager.block_pool
@@ -66,6 +67,16 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
                                   getattr(getattr(pool, "null_block", None), "block_id", None))
 
     # ---- the hooks' callbacks -------------------------------------------------------------
+    def on_prefix_reset(self, pool, done) -> None:
+        """vLLM's BlockPool.reset_prefix_cache returned: when it did reset (every block free, every hash
+        gone), no block can be hit before it is filled again, which writes a new record: the provenance
+        records go now rather than linger until their blocks are refilled."""
+        if not done:
+            return                       # refused (blocks still held): nothing changed in vLLM
+        self.prefix_resets += 1
+        for prov in self.prov.values():
+            prov.rec.clear()
+
     def on_scheduler_ready(self, scheduler) -> None:
         # EngineCore picks step_with_batch_queue exactly when max_concurrent_batches > 1
         cfg = getattr(scheduler, "vllm_config", None)

@@ -143,6 +143,10 @@ def _engine_core() -> None:
     _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
     wrap_family(Scheduler, "add_request", add_request)
     wrap_family(Scheduler, "finish_requests", _after("request books", REQ.on_finish_requests))
+    # vLLM's prefix-cache reset (an RLHF weight update, a benchmark harness): every path to it (the
+    # scheduler's, the KV cache manager's) ends in the block pool's, so that is the one hooked
+    from vllm.v1.core.block_pool import BlockPool
+    wrap_family(BlockPool, "reset_prefix_cache", _after("prefix reset", POOL.on_prefix_reset))
     # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
     wrap_family(Scheduler, "__init__", _after("status", lambda sched, _: POOL.on_scheduler_ready(sched)))
 

@@ -73,10 +73,13 @@ def prompts(n: int, shared: int = 70, seed: int = 0, differ_at: int | None = Non
 
 
 def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | None = None,
-        max_steps: int = 100_000, stagger: int = 0, at: dict | None = None, lengths: dict | None = None) -> dict:
+        max_steps: int = 100_000, stagger: int = 0, at: dict | None = None, lengths: dict | None = None,
+        reset_prefix: dict | None = None) -> dict:
     """Add the requests (one every `stagger` steps, or all at once; `at`: {request id: the step to
     add it before}, a recording's schedule), step until all are done; abort {request id: after this
-    many steps}; lengths {request id: max tokens} overrides max_tokens."""
+    many steps}; lengths {request id: max tokens} overrides max_tokens; reset_prefix {step: whether
+    running requests are preempted for it}: vLLM's reset_prefix_cache before that step (and, for
+    step 0, after the run), as an RLHF weight update or a benchmark harness calls it."""
     pending = list(reqs)
     lengths = lengths or {}
 
@@ -95,7 +98,11 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
     preempted: dict[str, int] = {}
     steps = 0
     abort = dict(abort or {})
+    reset_prefix = dict(reset_prefix or {})
+    resets: list[tuple[int, bool]] = []
     while (core.scheduler.has_requests() or core.batch_queue or pending) and steps < max_steps:
+        if steps in reset_prefix and steps:
+            resets.append((steps, bool(core.reset_prefix_cache(reset_running_requests=reset_prefix.pop(steps)))))
         if pending and at is not None:
             add(sum(1 for rid, _ in pending if at.get(rid, 0) <= steps + 1))
         elif pending and steps % stagger == 0 and steps:
@@ -118,8 +125,11 @@ def run(core, reqs: list[tuple[str, list[int]]], max_tokens: int, abort: dict | 
                         float(v) for v in np.asarray(x.new_logprobs.logprobs)[:, 0])
                 if x.finish_reason is not None:
                     finished[x.request_id] = str(x.finish_reason)
+    if 0 in reset_prefix:                                   # after the run: nothing holds a block
+        resets.append((steps, bool(core.reset_prefix_cache(reset_running_requests=reset_prefix.pop(0)))))
     return {"steps": steps, "outputs": outputs, "logprobs": logprobs, "finished": finished, "step_s": step_s,
-            "preemptions": sum(preempted.values()), "preempted": {r: n for r, n in preempted.items() if n}}
+            "preemptions": sum(preempted.values()), "preempted": {r: n for r, n in preempted.items() if n},
+            "prefix_resets": resets}
 
 
 def serve(core, seed0: int = 0) -> None:
@@ -149,6 +159,9 @@ def main(argv=None) -> None:
     ap.add_argument("--abort", action="append", default=[], metavar="ID:STEP")
     ap.add_argument("--abort-every", type=int, default=0, metavar="K",
                     help="abort every Kth request, 3 steps after it is added (a soak's clients that hang up)")
+    ap.add_argument("--reset-prefix", action="append", default=[], metavar="STEP[:running]",
+                    help="vLLM's reset_prefix_cache before that step (0: after the run); ':running' preempts the "
+                         "running requests for it")
     ap.add_argument("--max-steps", type=int, default=100_000, help="stop stepping after this many (a hung engine)")
     ap.add_argument("--stagger", type=int, default=0, metavar="STEPS", help="add one request every STEPS steps")
     ap.add_argument("--differ-at", type=int, default=None, metavar="POS",
@@ -189,7 +202,9 @@ def main(argv=None) -> None:
     if a.abort_every > 0:
         abort.update({f"r{i}": (i * a.stagger if a.stagger else 0) + 3
                       for i in range(a.abort_every - 1, len(reqs), a.abort_every)})
-    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps, at=at, lengths=lengths)
+    resets = {int(x.split(":")[0]): x.endswith(":running") for x in a.reset_prefix}
+    res = run(core, reqs, a.max_tokens, abort, stagger=a.stagger, max_steps=a.max_steps, at=at, lengths=lengths,
+              reset_prefix=resets)
     pool = core.scheduler.kv_cache_manager.block_pool
     # the pool after the run, read directly: a fault that corrupts it shows here whatever the checks say
     res.update(num_free_after=pool.get_num_free_blocks(), min_ref_cnt=min(b.ref_cnt for b in pool.blocks if not b.is_null),
@@ -214,7 +229,7 @@ def plugin_sizes() -> dict:
     out = {"crc": len(pool.crc), "progress": len(pool.progress), "progress_t": len(pool.progress_t),
            "t_sched": len(pool.t_sched), "touched": len(pool.touched),
            "ledger_requests": len(pool.ledger.reqs) if pool.ledger is not None else 0,
-           "provenance_records": sum(len(p.rec) for p in pool.prov.values())}
+           "provenance_records": sum(len(p.rec) for p in pool.prov.values()), "prefix_resets": pool.prefix_resets}
     req = getattr(hooks, "REQ", None)
     if req is not None:
         out["books_live"] = len(req.books.live)
