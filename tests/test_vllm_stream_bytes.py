@@ -1,6 +1,6 @@
 """The plugin's send queue is bounded in bytes: a listener that stalls (connected, never reading) costs
-vLLM a few snapshots of memory at most, the rest is dropped and counted, and the listener gets the
-stream again once it reads. A real ZMQ PUB/SUB over TCP on 127.0.0.1."""
+vLLM a few snapshots of memory at most, the OLDEST are dropped and counted, and the listener gets the
+stream again once it reads, newest state included. A real ZMQ PUB/SUB over TCP on 127.0.0.1."""
 from __future__ import annotations
 
 import time
@@ -25,9 +25,10 @@ def test_a_stalled_listener_costs_bounded_bytes_and_drops_are_counted():
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(addr)
-    pub = Publisher(addr, small_hwm=64, bulk_hwm=2)
+    pub = Publisher(addr, small_hwm=64, bulk_hwm=2, bulk_bytes=40 << 20)      # two 18 MB snapshots
     try:
-        assert wait_until(lambda: (pub.send(b"hello", {"pid": 1}), sub.poll(50))[1], timeout=5)
+        hellos = []
+        assert wait_until(lambda: (hellos.append(1), pub.send(b"hello", {"pid": 1}), sub.poll(50))[2], timeout=5)
         while sub.poll(10):
             sub.recv_multipart()
         before = rss()
@@ -42,11 +43,17 @@ def test_a_stalled_listener_costs_bounded_bytes_and_drops_are_counted():
         pub.send(b"finding", {"probe": "vllm_pool", "kind": "leak", "severity": "error", "message": "m"})
         got = []
         t0 = time.time()
-        while time.time() - t0 < 10 and not any(k == "finding" for k, _, _ in got):
+        while time.time() - t0 < 10 and not (any(k == "finding" for k, _, _ in got) and
+                                             any(k == "step" and h["step"] == 59 for k, h, _ in got)):
             if sub.poll(100):
                 got.append(decode(sub.recv_multipart()))
         assert any(k == "finding" for k, _, _ in got)
         assert all(len(h) < SMALL for k, h, _ in got if k == "finding")
+        # what was dropped is the oldest backlog: the newest snapshot arrives, the middle of the run
+        # does not (the first few had left before the pipes filled)
+        steps = sorted(h["step"] for k, h, _ in got if k == "step")
+        assert 59 in steps and not any(20 <= x < 50 for x in steps), steps
+        assert wait_until(lambda: pub.sent + pub.dropped == len(hellos) + 60 + 1, timeout=5)   # nothing unaccounted
     finally:
         pub.close()
         sub.close(0)

@@ -6,6 +6,7 @@ so a deployment with no workbench attached still says what the checks saw.
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import threading
@@ -30,10 +31,13 @@ class Reporter:
         self.on_finding = None                 # callable(finding dict): the flight recorder, where one runs
 
     def _publisher(self):
+        if self.pub is not None and self.pub.pid != os.getpid():
+            self.pub = None              # a forked child: the parent's sender thread is not here; its own
         if self.pub is None and self.address and not self.broken:
             try:
                 from .stream import Publisher
                 self.pub = Publisher(self.address)
+                atexit.register(self.pub.flush, 0.5)     # what is queued still goes when the process exits
                 import vllm
                 self.pub.send(b"hello", {"pid": os.getpid(), "process": multiprocessing.current_process().name,
                                          "vllm_version": getattr(vllm, "__version__", "?")})

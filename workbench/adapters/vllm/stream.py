@@ -25,8 +25,10 @@ A message is multipart: [kind, JSON header, *raw arrays]. Kinds:
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -40,45 +42,130 @@ SMALL = 16 * 1024          # bytes: a message up to this size goes on the small 
 class Publisher:
     """The plugin's end: connect PUBs to the workbench's address; send() never blocks.
 
-    What waits for a slow (or absent, or stalled) listener is bounded in bytes, not only in
-    messages: two PUB sockets to the one address, each with its own queue (ZMQ's high-water mark):
-    messages up to SMALL bytes (findings, step headers, statuses; `small_hwm` of them: <= 64 MB) and
-    larger ones (a pool snapshot, the idle sweep's hashes; `bulk_hwm` of them: a few snapshots). A
-    message that finds its queue full is dropped and counted (`dropped`, `dropped_bytes`): the newest,
-    what is queued is kept (ZMQ cannot drop from the head of a queue); vLLM never waits."""
+    What waits for a slow (or absent, or stalled) listener is bounded in bytes: two queues of our
+    own, small messages (up to SMALL bytes: findings, step headers, statuses; `small_bytes` in all)
+    and big ones (a pool snapshot, the idle sweep's hashes; `bulk_bytes`), so a finding never waits
+    behind snapshots. A queue over its budget drops its OLDEST messages, counted (`dropped`,
+    `dropped_bytes`): when the listener reads again it gets the newest state, not a stale backlog.
+    A sender thread moves messages from the queues into two PUB sockets, whose own ZMQ queues are
+    kept short (`small_hwm` / `bulk_hwm` messages: ZMQ itself can only refuse the newest), and
+    waits, without the GIL, while they are full. send() only appends under a lock: vLLM never waits
+    on the listener."""
 
-    def __init__(self, address: str, small_hwm: int = 4096, bulk_hwm: int = 4):
+    def __init__(self, address: str, small_bytes: int = 32 << 20, bulk_bytes: int = 64 << 20,
+                 small_hwm: int = 256, bulk_hwm: int = 2):
         import zmq
         self._zmq = zmq
         self.address = address
+        self.pid = os.getpid()
         self.ctx = zmq.Context.instance()
         self.socks = {}
         for name, hwm in (("small", small_hwm), ("bulk", bulk_hwm)):
-            s = self.ctx.socket(zmq.PUB)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, hwm)
-            # a full queue answers EAGAIN instead of PUB's silent drop: the drop is then ours to count
-            s.setsockopt(zmq.XPUB_NODROP, 1)
-            s.connect(address)
-            self.socks[name] = s
+            sock = self.ctx.socket(zmq.PUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, hwm)
+            # a full ZMQ queue answers EAGAIN instead of PUB's silent drop: the message stays ours
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+            sock.connect(address)
+            self.socks[name] = sock
         self.sock = self.socks["small"]
-        self.lock = threading.Lock()           # engine core and its threads may both send
+        self.budget = {"small": int(small_bytes), "bulk": int(bulk_bytes)}
+        self.queues: dict[str, deque] = {"small": deque(), "bulk": deque()}
+        self.queued_bytes = {"small": 0, "bulk": 0}
+        self.cv = threading.Condition()        # engine core and its threads may all send
+        self.lock = self.cv
         self.dropped = 0
         self.dropped_bytes = 0
+        self.sent = 0
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="kvwb-plugin-send", daemon=True)
+        self._sender.start()
 
     def send(self, kind: bytes, header: dict, arrays=()) -> None:
         frames = [kind, json.dumps(header, default=str).encode()]
         frames += [np.ascontiguousarray(a).tobytes() for a in arrays]
         size = sum(len(f) for f in frames)
-        sock = self.socks["small" if size <= SMALL else "bulk"]
-        with self.lock:
-            try:
-                sock.send_multipart(frames, flags=self._zmq.NOBLOCK)
-            except self._zmq.Again:
-                self.dropped += 1
-                self.dropped_bytes += size
+        name = "small" if size <= SMALL else "bulk"
+        with self.cv:
+            if self._closed:
+                self._drop(size)
+                return
+            q = self.queues[name]
+            q.append((frames, size))
+            self.queued_bytes[name] += size
+            while self.queued_bytes[name] > self.budget[name] and len(q) > 1:   # the newest always stays
+                _, old = q.popleft()
+                self.queued_bytes[name] -= old
+                self._drop(old)
+            self.cv.notify()
 
-    def close(self) -> None:
+    def _drop(self, size: int) -> None:
+        self.dropped += 1
+        self.dropped_bytes += size
+
+    def _take(self):
+        """The oldest queued message (small ones first), or None once closed and empty."""
+        with self.cv:
+            while not (self.queues["small"] or self.queues["bulk"]):
+                if self._closed:
+                    return None
+                self.cv.wait(0.5)
+            name = "small" if self.queues["small"] else "bulk"
+            frames, size = self.queues[name].popleft()
+            self.queued_bytes[name] -= size
+            return name, frames, size
+
+    def _send_loop(self) -> None:
+        zmq = self._zmq
+        while True:
+            got = self._take()
+            if got is None:
+                return
+            name, frames, size = got
+            sock = self.socks[name]
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                self.sent += 1
+                continue
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:                       # closed under us: nothing more can go
+                return
+            # its ZMQ queue is full (the listener is slow): the message goes back as the oldest, where
+            # newer ones arriving over the budget drop it; then wait for room, without the GIL
+            with self.cv:
+                q = self.queues[name]
+                if self._closed or (q and self.queued_bytes[name] + size > self.budget[name]):
+                    self._drop(size)
+                else:
+                    q.appendleft((frames, size))
+                    self.queued_bytes[name] += size
+            try:
+                sock.poll(100, zmq.POLLOUT)
+            except zmq.ZMQError:
+                return
+
+    def flush(self, timeout_s: float = 1.0) -> bool:
+        """Wait up to timeout_s for the queues to empty (a process about to exit); whether they did."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self.cv:
+                if not (self.queues["small"] or self.queues["bulk"]):
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self, flush_s: float = 0.5) -> None:
+        self.flush(flush_s)
+        with self.cv:
+            self._closed = True
+            for name, q in self.queues.items():
+                for _, size in q:
+                    self._drop(size)
+                q.clear()
+                self.queued_bytes[name] = 0
+            self.cv.notify_all()
+        self._sender.join(timeout=2.0)
         for s in self.socks.values():
             s.close(0)
 
