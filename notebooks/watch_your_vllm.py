@@ -200,6 +200,24 @@ assert dash.page_map.highlight == picked["pages"] and picked["page"] in dash.pag
 dash
 
 # %% [markdown]
+# ### What attention computed
+# The plugin also checks the attention math itself, one layer and one request row a step: the backend's output
+# for that row against float32 attention over the request's own stored K/V, read through the blocks the ledger
+# says it owns. With the rows swapped, the kernel attended over another request's blocks, so the outputs
+# differ. Such an `attention-read` finding carries a picture: per wrong query head, the attention weights over
+# the context the model means (want) and, when an explanation reproduced the kernel's output, the weights the
+# kernel attended with (got). The dashboard's findings list draws it under the finding's details; here it is
+# drawn directly.
+
+# %%
+from probes.attention_picture import attention_figure
+
+reads = [f for f in wb.findings_at_least("error") if f.probe == "vllm_attention" and f.kind == "attention-read"]
+assert reads, "the attention check did not see the swapped rows"
+print(reads[0].message)
+attention_figure(reads[0])
+
+# %% [markdown]
 # ## 4. Switch it off: sane answers again
 # `write_fault_file(path)` with no fault names switches it off. One thing the fault may leave behind is the prefix
 # cache. The swap never touched `slot_mapping`, so every token's KV went to its own block, but the KV of tokens

@@ -52,10 +52,11 @@ from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
 from .attention_math import attend as _attend
-from .attention_math import causal, explain_read, gqa_map, sample_rows
+from .attention_math import causal, explain_read, sample_rows
+from .attention_math import picture as _picture_of
+from .attention_picture import weights_figure
 from .attention_math import rel_rows as _rel_rows
 from .attention_math import head_err as _head_err
-from .attention_math import weights as _weights
 from .shadow import TOLERANCE, _rms, _rope, checkable, scheduled_rows, stored_kv
 
 KINDS = ("decode", "chunk", "prefill")
@@ -334,8 +335,9 @@ class AttentionCheckProbe(Probe):
         heads = [int(h) for h in torch.nonzero(_head_err(got, want) > tol).flatten()]
         match = self._explain(p, q, got, kr, vr, pages, heads, tol)
         key = ("attention-read", p["seq"].request_id, p["layer"])
+        pic = None
         if key not in self.pictures and len(self.pictures) < MAX_PICTURES:
-            self.pictures[key] = self._picture(p, q, kr, vr, pos, r, match[2] if match else None)
+            pic = self.pictures[key] = self._picture(p, q, kr, vr, pos, r, match[2] if match else None)
         return self._emit(p, "attention-read", pos,
                           f"paged attention output differs from float32 attention over the request's own stored "
                           f"K/V in head(s) {heads} (error {float(err[r]):.3g} x max, tolerance {tol:.1g}, "
@@ -343,6 +345,7 @@ class AttentionCheckProbe(Probe):
                           + (f"; it matches {match[1]}" if match else "; no nearby explanation matches"),
                           HINT_READ, {"check": "read", "heads": heads, "err": float(err[r]), "tolerance": tol,
                                       "rows_wrong": int((err > tol).sum()), "rows": len(sel),
+                                      **({"picture": pic} if pic is not None else {}),
                                       **({"explanation": match[0], "matches": match[1]} if match else {})})
 
     def _explain(self, p, q, got, kr, vr, pages, heads, tol):
@@ -373,48 +376,22 @@ class AttentionCheckProbe(Probe):
         return None
 
     def _picture(self, p, q, kr, vr, pos: int, r: int, explained: dict | None) -> dict:
-        """Row r's attention weights per query head over the context: the model's (want) and, where an
-        explanation reproduced the output, what the kernel attended with (got)."""
-        hd, hq, hkv = self.engine.model.cfg.head_dim, q.shape[1], kr.shape[1]
-        causal = (torch.arange(kr.shape[0], device=kr.device) <= pos)[None]
-        gqa = gqa_map(hq, hkv, q.device)
-        weights = lambda allowed, scale, kv_head, k: _weights(q[r:r + 1], k, allowed, scale, kv_head)[:, 0]  # noqa: E731
-        want = weights(causal, hd ** -0.5, gqa, kr)
-        got = None
-        if explained is not None:
-            e = explained
-            got = weights(e["allowed"][r:r + 1] if "allowed" in e else causal, e.get("scale", hd ** -0.5),
-                          e.get("kv_head", gqa), e.get("k", kr))
-        return {"position": pos, "page_size": self.engine.kv.page_size, "want": want.cpu().numpy(),
-                "got": None if got is None else got.cpu().numpy()}
+        """Row r's attention weights per query head over the context (attention_math.picture, the schema
+        the vLLM plugin's findings carry too)."""
+        return _picture_of(q, kr, r, pos, self.engine.model.cfg.head_dim ** -0.5, explained=explained,
+                           page_size=self.engine.kv.page_size)
 
     def figure(self, finding):
         """The picture of one of this probe's `attention-read` findings: per query head, the attention
         weights over the context the model means (float32 over the request's own pages) and, when an
         explanation reproduced the kernel's output, the weights the kernel attended with."""
-        from plotly.subplots import make_subplots
         pic = self.pictures.get((finding.kind, finding.request_id, finding.layer))
         if pic is None:
             raise KeyError(f"no picture for this finding ({finding.kind}, request {finding.request_id}, layer "
                            f"{finding.layer}): pictures are kept for this probe's attention-read findings")
-        heads = finding.evidence.get("heads") or list(range(pic["want"].shape[0]))
-        heads = heads[:6]
-        fig = make_subplots(rows=len(heads), cols=1, shared_xaxes=True, vertical_spacing=0.04,
-                            subplot_titles=[f"query head {h}" for h in heads])
-        x = np.arange(pic["want"].shape[1])
-        for i, h in enumerate(heads, start=1):
-            fig.add_scatter(x=x, y=pic["want"][h], name="want: the model's attention", row=i, col=1,
-                            line=dict(color="#2a9d8f"), showlegend=i == 1)
-            if pic["got"] is not None:
-                fig.add_scatter(x=x, y=pic["got"][h], name="got: what reproduces the kernel's output", row=i,
-                                col=1, line=dict(color="#e76f51", dash="dot"), showlegend=i == 1)
-            for b in range(pic["page_size"], len(x), pic["page_size"]):
-                fig.add_vline(x=b - 0.5, line=dict(color="#ddd", width=1), row=i, col=1)
-        fig.update_xaxes(title_text=f"key position (query at {pic['position']}; grey: page boundaries)",
-                         row=len(heads), col=1)
-        fig.update_layout(height=170 * len(heads) + 120, title=f"request {finding.request_id}, layer "
-                          f"{finding.layer}: attention weights, want vs got", legend=dict(orientation="h"))
-        return fig
+        return weights_figure(pic, heads=finding.evidence.get("heads"),
+                              title=f"request {finding.request_id}, layer {finding.layer}: attention weights, "
+                                    f"want vs got")
 
     # ---- views -------------------------------------------------------------------------------
     def widget(self):

@@ -149,6 +149,38 @@ def explain_read(q, got, k, v, pos, scale: float, tol: float, *, heads, base: in
     return None
 
 
+PICTURE_KEYS = 512          # a picture keeps the last this many keys before the query (a finding stays small)
+
+
+def picture(q, k, r: int, pos: int, scale: float, *, base: int = 0, window: int = 0, softcap: float = 0.0,
+            explained: dict | None = None, heads=None, page_size: int = 0, max_keys: int = PICTURE_KEYS) -> dict:
+    """Row r's attention weights per query head over its context, for a finding's picture: `want`, what
+    the model means (float32 over the request's own stored K, the true causal mask and window, the
+    model's scale and GQA map) and, when an explanation reproduced the backend's output (explain_read's
+    third item: allowed / scale / kv_head / k), `got`, what the backend attended with. Only `heads`
+    (default all), and only the last max_keys keys up to the query: plain lists, ready for JSON."""
+    hq, hkv, ctx = q.shape[1], k.shape[1], k.shape[0]
+    gqa = gqa_map(hq, hkv, q.device)
+    allowed = causal(torch.tensor([pos], device=q.device), ctx, base, window)
+
+    def w(allowed_, scale_, kv_head, k_):
+        return weights(q[r:r + 1], k_, allowed_, scale_, kv_head, softcap)[:, 0]        # [Hq, ctx]
+    want = w(allowed, scale, gqa, k)
+    got = None
+    if explained is not None:
+        e = explained
+        got = w(e["allowed"][r:r + 1] if "allowed" in e else allowed, e.get("scale", scale), e.get("kv_head", gqa),
+                e.get("k", k))
+    heads = list(range(hq)) if not heads else [int(h) for h in heads]
+    hi = min(ctx, pos - base + 1)
+    lo = max(0, hi - max_keys)
+
+    def rows(t):
+        return None if t is None else [[round(x, 7) for x in t[h, lo:hi].tolist()] for h in heads]
+    return {"position": int(pos), "first_key": int(base + lo), "page_size": int(page_size), "heads": heads,
+            "want": rows(want), "got": rows(got)}
+
+
 def sample_rows(n: int, f: int, max_rows: int) -> np.ndarray:
     """The query rows of an n-row chunk to check: all when few, else the first, the last and
     max_rows - 2 between them, shifted by f so that every row is met within n / max_rows checks."""

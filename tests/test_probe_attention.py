@@ -259,6 +259,22 @@ def test_a_stale_block_table_is_explained_and_pictured(smollm2_path):
     assert abs(sum(want) - 1) < 1e-4 and abs(sum(got) - 1) < 1e-4 and max(abs(a - b) for a, b in zip(want, got)) > 1e-3
     with pytest.raises(KeyError, match="no picture"):
         probe.figure(dataclasses.replace(f, layer=-1))
+    # the finding carries the same picture (the schema the vLLM plugin's findings carry), and the
+    # findings table draws it under the finding's details when its row is picked
+    import plotly.graph_objects as go
+    from workbench.findings import Finding, findings_frame
+    from workbench.widgets import FindingsTable
+    assert f.evidence["picture"] is probe.pictures[(f.kind, f.request_id, f.layer)]
+    plain = Finding("page_table", "warn", "a finding without a picture", kind="other")
+    table = FindingsTable(findings_frame(wb.findings_at_least("info") + [plain]))
+    i = next(i for i, r in enumerate(table.rows()) if r["kind"] == f.kind and r["request_id"] == f.request_id
+             and r["layer"] == f.layer and (r["evidence"] or {}).get("picture"))
+    table.select(i)
+    (shown,) = table.picture.children
+    assert isinstance(shown, go.FigureWidget) and {t.name for t in shown.data} == names
+    assert "picture" not in table.detail.value and "explanation" in table.detail.value
+    table.select(next(j for j, r in enumerate(table.rows()) if r["kind"] == "other"))
+    assert table.picture.children == ()
 
 
 @pytest.mark.parametrize("n", [1, 8, 9, 37, 64, 100, 2048])

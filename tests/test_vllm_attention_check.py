@@ -101,6 +101,19 @@ def test_math_fault_in_vllms_attention_is_caught_naming_request_layer_and_cause(
         explained = [f.evidence.get("explanation") for f in found]
         # a flat (random-weight) attention can leave one row ambiguous; most must name the bug
         assert explained.count(explanation) >= max(1, len(found) // 2), [f.message for f in found]
+        # each carries its picture, drawn on the workbench's side: per wrong head, the model's weights
+        # and, where the explanation reproduced the output, the backend's, up to the query's position
+        from probes.attention_picture import attention_figure
+        f = next(f for f in found if f.evidence.get("explanation") == explanation)
+        pic = f.evidence["picture"]
+        assert pic["position"] == f.evidence["position"] and pic["heads"] and pic["got"] is not None
+        assert set(pic["heads"]) <= set(f.evidence["heads"] or pic["heads"])
+        for want, got in zip(pic["want"], pic["got"]):
+            assert len(want) == pic["position"] - pic["first_key"] + 1 and abs(sum(want) - 1) < 1e-4
+            assert abs(sum(got) - 1) < 1e-4
+        assert max(abs(a - b) for w, g in zip(pic["want"], pic["got"]) for a, b in zip(w, g)) > 1e-3
+        fig = attention_figure(f)
+        assert {t.name for t in fig.data} == {"want: the model's attention", "got: what reproduces the kernel's output"}
     assert not r.errors, r.errors
 
 

@@ -55,6 +55,7 @@ class FindingsTable:
         self.descending = W.ToggleButton(value=False, description="desc", layout=W.Layout(width="60px"))
         self.list = W.Select(options=[], rows=rows, layout=W.Layout(width="100%"))
         self.detail = W.HTML()
+        self.picture = W.Box()          # an attention-read finding's per-head weights (want vs got), when it has one
         self.count = W.HTML()
         for w in (self.query, self.severity, self.probe, self.sort, self.descending):
             w.observe(lambda _c: self.redraw(), "value")
@@ -62,7 +63,7 @@ class FindingsTable:
         style = W.HTML("<style>.kvwb-findings select { font-family: monospace; font-size: 12px; }</style>")
         self.widget = W.VBox([style, W.HBox([self.query, self.severity, self.probe, self.sort, self.descending],
                                             layout=W.Layout(flex_flow="row wrap")),
-                              self.count, self.list, self.detail],
+                              self.count, self.list, self.detail, self.picture],
                              layout=W.Layout(flex="1 1 380px", min_width="380px"))
         self.widget.add_class("kvwb-findings")
         self._view = self.frame
@@ -135,6 +136,17 @@ class FindingsTable:
         """The shown findings as dicts, in order."""
         return self._view.to_dict("records")
 
+    @staticmethod
+    def _picture_of(row: dict, ev: dict):
+        """The finding's attention picture as a widget (probes/attention_picture.py draws it)."""
+        import plotly.graph_objects as go
+        from probes.attention_picture import weights_figure
+        fig = weights_figure(ev["picture"], heads=ev.get("heads"), max_heads=3,
+                             title=f"request {row.get('request_id')}, layer "
+                                   f"{ev.get('layer', row.get('layer'))}: attention weights")
+        fig.update_layout(margin=dict(l=40, r=10, t=60, b=40))
+        return go.FigureWidget(fig)
+
     # ---- selection ---------------------------------------------------------------
     def select(self, index: int) -> dict:
         """Select the index-th shown finding (what a click in the list does)."""
@@ -149,10 +161,13 @@ class FindingsTable:
         row["pages"] = pages_named(row)
         self.selected = row
         sev = row["severity"]
+        ev = row.get("evidence") if isinstance(row.get("evidence"), dict) else {}
+        shown = {k: v for k, v in ev.items() if k != "picture"} if ev else row.get("evidence")
         self.detail.value = (
             f"<div style='font-size:12px'><b style='color:{SEVERITY_COLOUR.get(sev, '#000')}'>{html.escape(sev)}"
             f"</b> {html.escape(str(row['kind']))}: {html.escape(str(row['message']))}<br>"
             f"<b>fix:</b> {html.escape(str(row['hint']))}<br>"
-            f"<span style='color:#666'>evidence: {html.escape(str(row['evidence']))[:600]}</span></div>")
+            f"<span style='color:#666'>evidence: {html.escape(str(shown))[:600]}</span></div>")
+        self.picture.children = [self._picture_of(row, ev)] if ev.get("picture") else []
         for fn in self.on_select:
             fn(row)

@@ -47,6 +47,7 @@ CHECK_ATTENTION = "vllm_attention"
 KINDS = ("decode", "chunk", "prefill")
 # by the cache's dtype; looser than our engine's fp32 / fp16 ones: vLLM's kernels accumulate in their own
 # order and precision (AMX feeds bf16 probabilities into P @ V); clean runs stay under 4e-3 in bf16
+PICTURE_HEADS = 6         # an attention-read finding pictures at most this many of its wrong heads
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 HINTS = {
     "attention-write": "the K/V stored at the request's slots are not the ones the layer handed to the cache "
@@ -337,13 +338,18 @@ class AttentionWatch:
         match = am.explain_read(q, got, ks, vs, pos, info["scale"], tol, heads=heads, base=s["base"],
                                 window=info["window"], softcap=info["softcap"], page_size=s["kbs"],
                                 pages=s["blocks"], start=p["computed"])
+        # the finding's picture (probes/attention_picture.py draws it on the workbench's side): the
+        # wrong heads' weights, want vs got, over the last keys up to the query; a few kB of JSON
+        pic = am.picture(q, ks, r, int(pos[r]), info["scale"], base=s["base"], window=info["window"],
+                         softcap=info["softcap"], explained=match[2] if match else None,
+                         heads=(heads or list(range(q.shape[1])))[:PICTURE_HEADS], page_size=s["kbs"])
         self._emit(p, s, "attention-read", int(pos[r]),
                    f"the backend's attention output differs from float32 attention over the request's own stored "
                    f"K/V in head(s) {heads} (error {float(err[r]):.3g} x max, tolerance {tol:.1g}, "
                    f"{int((err > tol).sum())}/{len(err)} rows checked)"
                    + (f"; it matches {match[1]}" if match else "; no nearby explanation matches"),
                    {"check": "read", "heads": heads, "err": float(err[r]), "tolerance": tol,
-                    "rows_wrong": int((err > tol).sum()), "rows": len(err),
+                    "rows_wrong": int((err > tol).sum()), "rows": len(err), "picture": pic,
                     **({"explanation": match[0], "matches": match[1]} if match else {})})
 
     # ---- helpers ----------------------------------------------------------------------------------
