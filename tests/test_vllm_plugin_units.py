@@ -325,3 +325,15 @@ def test_a_rotating_slice_patches_the_page_map_snapshot_and_a_bad_slice_is_named
     bad = [b"step", json.dumps({"step": 5, "num_blocks": n, "slice_lo": 8}).encode(), *frames[2:]]
     with pytest.raises(ValueError, match="slice of 4 blocks at 8 does not fit num_blocks 10"):
         decode(bad)
+
+
+def test_pin_counts_is_the_per_block_lookup_it_replaces():
+    # the pool check's pins per checked block, vectorised: the same as len(pins.get(b, ())) for each
+    import numpy as np
+    from workbench.adapters.vllm.engine_side import pin_counts
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        pins = {int(b): ["why"] * int(rng.integers(1, 4)) for b in rng.choice(1000, int(rng.integers(0, 20)), False)}
+        idx = rng.integers(0, 1000, int(rng.integers(0, 600))).astype(np.int64)
+        want = np.array([len(pins.get(int(b), ())) for b in idx], dtype=np.int64)
+        assert np.array_equal(pin_counts(pins, idx), want)

@@ -80,6 +80,9 @@ def whole_lists(so):
     list in this SchedulerOutput: new requests and resumed ones (their computed tokens: a prefix hit)."""
     for nr in getattr(so, "scheduled_new_reqs", None) or ():
         yield nr.req_id, nr.block_ids, int(nr.num_computed_tokens)
+    c = getattr(so, "scheduled_cached_reqs", None)
+    if c is None or not getattr(c, "resumed_req_ids", None):
+        return                                    # no resumed request: the running rows need no walk
     for rid, new, computed, resumed in cached_rows(so):
         if resumed:
             yield rid, new or (), computed
@@ -97,6 +100,7 @@ class BlockLedger:
         self.counts = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
         self.optional = None if num_blocks is None else np.zeros(num_blocks, dtype=np.int64)
         self._after: dict[int, dict[str, int]] = {}     # id(SchedulerOutput) -> processed tokens when done
+        self._has_window = None                         # _windowed(), once
 
     def _count(self, arr, blocks, by: int) -> None:
         if arr is None or not blocks:
@@ -125,6 +129,13 @@ class BlockLedger:
                 if b != self.null:
                     delta.added.add(b)
                     self.last_holder[b] = rid
+
+    def _windowed(self) -> bool:
+        """Whether a modelled group has a window (its floors move as tokens are processed)."""
+        w = self._has_window
+        if w is None:
+            w = self._has_window = any(r.kind not in ("full", "unmodelled") for r in self.rules)
+        return w
 
     def _counted(self, g: int) -> bool:
         return g >= len(self.rules) or self.rules[g].kind != "unmodelled"
@@ -185,20 +196,32 @@ class BlockLedger:
             e.processed = e.computed           # its prefix hit: done before any step
             after[nr.req_id] = e.computed + e.scheduled
             self._advance(e, d)
-        for rid, new, computed, is_resumed in cached_rows(so):
-            if is_resumed:
-                self._map(rid, new or (), d, replace=True)
-            elif new:
-                self._map(rid, new, d, replace=False)
-            e = self.reqs.get(rid)
-            if e is None:                  # a running request the ledger never saw added
-                e = self.reqs[rid] = Entry([])
-            e.computed, e.scheduled = computed, int(sched.get(rid, 0))
-            if is_resumed:
-                e.processed = e.computed
-            after[rid] = e.computed + e.scheduled
-            self._advance(e, d)
-        if self.rules and any(r.kind not in ("full", "unmodelled") for r in self.rules):
+        windowed = self._windowed()
+        c = getattr(so, "scheduled_cached_reqs", None)
+        if c is not None:
+            # the running requests: one pass over CachedRequestData's parallel lists (a decode step of
+            # 256 requests is 256 rows; most get no new block), no generator, no per-row rule walk
+            # unless a group has a window
+            resumed = set(getattr(c, "resumed_req_ids", None) or ())
+            new_ids = c.new_block_ids
+            reqs, get = self.reqs, sched.get
+            for i, (rid, computed) in enumerate(zip(c.req_ids, c.num_computed_tokens)):
+                new = new_ids[i] if i < len(new_ids) else None
+                is_resumed = rid in resumed if resumed else False
+                if is_resumed:
+                    self._map(rid, new or (), d, replace=True)
+                elif new:
+                    self._map(rid, new, d, replace=False)
+                e = reqs.get(rid)
+                if e is None:                  # a running request the ledger never saw added
+                    e = reqs[rid] = Entry([])
+                e.computed, e.scheduled = int(computed), int(get(rid, 0))
+                if is_resumed:
+                    e.processed = e.computed
+                if windowed:
+                    after[rid] = e.computed + e.scheduled
+                    self._advance(e, d)
+        if windowed:
             self._after[id(so)] = after
             while len(self._after) > 64:       # outputs whose results never came back: bounded
                 self._after.pop(next(iter(self._after)))

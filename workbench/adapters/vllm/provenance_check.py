@@ -61,14 +61,20 @@ class ProvenanceCheck:
                     f["evidence"]["kv_cache_group"] = g
                     found.append(f)
             self.crc[(rid, g)] = (len(digests), digests[-1] if digests else start)
+        requests, crcs = scheduler.requests, self.crc
         for rid in scheduled:
-            req, entry = scheduler.requests.get(rid), self.ledger.reqs.get(rid)
-            if req is None or entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
+            req = requests.get(rid)
+            if req is None:
+                continue
+            done, crc = crcs.get((rid, g)) or (0, None)
+            if req.num_computed_tokens < (done + 1) * bs:
+                continue                      # no block completed since the last fill: most rows of a decode step
+            entry = self.ledger.reqs.get(rid)
+            if entry is None or g >= len(entry.groups) or getattr(req, "mm_features", None):
                 continue
             blocks = entry.groups[g]
             tokens = req.all_token_ids
             full = min(int(req.num_computed_tokens), len(tokens)) // bs
-            done, crc = self.crc.get((rid, g)) or (0, None)
             if full <= done or done > len(blocks):
                 continue
             if crc is None:

@@ -39,7 +39,7 @@ from workbench.recorder.bundle import freeze
 from workbench.recorder.ring import SegmentRing, prompt_fields
 
 from . import status as st
-from .ledger import cached_rows, whole_lists
+from .ledger import whole_lists
 
 
 class VllmRecorder:
@@ -186,8 +186,11 @@ class VllmRecorder:
         t_ns = time.time_ns()
         self.on_release(scheduler, delta, step)
         bs = [int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups]
-        for rid, new, _, resumed in cached_rows(so):
-            if new and not resumed:
+        c = getattr(so, "scheduled_cached_reqs", None)
+        resumed_ids = set(getattr(c, "resumed_req_ids", None) or ()) if c is not None else set()
+        grown = ((rid, new) for rid, new in zip(c.req_ids, c.new_block_ids) if new) if c is not None else ()
+        for rid, new in grown:                         # only the rows that got blocks (few in a decode step)
+            if rid not in resumed_ids:
                 pages = [b for ids in new for b in ids if b != null]
                 if pages:
                     w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
@@ -261,14 +264,14 @@ class VllmRecorder:
 
     def _tokens(self, outputs, step: int) -> None:
         out, done = {}, []
+        privacy = self.s.record_privacy
         for eco in (outputs or {}).values():
             for o in getattr(eco, "outputs", None) or ():
-                new = list(getattr(o, "new_token_ids", None) or ())
-                rid = str(o.request_id)
+                new = o.new_token_ids                  # vLLM's own list, serialised as it is (not kept)
                 if new:
-                    out[rid] = len(new) if self.s.record_privacy else new
-                if getattr(o, "finish_reason", None) is not None:
-                    done.append(rid)
+                    out[o.request_id] = len(new) if privacy else new
+                if o.finish_reason is not None:
+                    done.append(o.request_id)
         if out or done:
             self.ring.write({"k": "tokens", "step": step, "out": out, "finished": done})
 
