@@ -8,7 +8,6 @@ process exits through the handler that was there before ours.
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -59,38 +58,3 @@ def test_a_signal_storm_then_sigterm_leaves_one_bundle_per_burst_and_exits_clean
     assert reasons[-1] == "SIGTERM", reasons                 # frozen before the process went
     assert not list((root / "bundles").glob(".partial-*"))
 
-
-def test_sigterm_to_a_real_server_freezes_its_bundle_then_vllms_own_handler_shuts_it_down(vllm_models, tmp_path):
-    """The OpenAI server as an operator runs it (API server, engine core process), the plugin and its
-    flight recorder on; SIGTERM to the API server, as `docker stop` or Kubernetes sends it to PID 1:
-    vLLM's API server then sends SIGTERM to its engine core and waits for it. (SIGTERM to the whole
-    process group, as systemd's default does, also reaches vLLM's worker, which then may exit while
-    the engine core is draining a step: vLLM's own race, plugin or not; seen once here.)
-    In the engine core, the plugin's handler only asks for a bundle; once it is on disk, SIGTERM goes
-    to the handler vLLM installed before the plugin loaded, whose graceful shutdown then runs.
-    --shutdown-timeout 10: with vLLM's default of 0 the API server SIGKILLs the engine core right
-    after its SIGTERM ("force killing remaining processes"), so no handler of anyone's gets to run
-    for sure; the docs say so."""
-    from workbench.adapters.vllm.server import VllmServer, free_port
-    rec = tmp_path / "rec"
-    server = VllmServer(model=vllm_models["plain"], sanitizer=f"tcp://127.0.0.1:{free_port()}",
-                        max_model_len=1024, log_path=tmp_path / "vllm.log", extra_env={"PAGEDKV_RECORD_DIR": str(rec)},
-                        extra_args=("--shutdown-timeout", "10"))
-    server.start()
-    try:
-        out = server.chat([{"role": "user", "content": "hello"}], max_tokens=8)
-        assert out["choices"][0]["message"]["content"] is not None
-        os.kill(server.proc.pid, signal.SIGTERM)              # the API server only
-        server.proc.wait(60)
-    finally:
-        server.stop()                          # whatever is left: the process group, SIGKILL after 30 s
-    log = server.log_path.read_text(errors="replace")
-    assert server.proc.returncode is not None and server.proc.returncode != -signal.SIGKILL, log[-3000:]
-    # vLLM's own engine-core handler ran (it logs the signal) and its busy loop exited the normal way
-    assert "EngineCore: trigger received signal=SIGTERM" in log, log[-3000:]
-    assert "EngineCore: exiting busy loop" in log, log[-3000:]
-    assert "Traceback" not in log and "fatal error" not in log, log[-3000:]
-    (root,) = list(rec.glob("vllm-*"))
-    bundles = sorted(p for p in (root / "bundles").iterdir() if not p.name.startswith("."))
-    reasons = [json.loads((b / "manifest.json").read_text())["reason"] for b in bundles]
-    assert reasons and reasons[-1] == "SIGTERM", reasons      # frozen before the engine core went
