@@ -31,6 +31,11 @@ FusedInferAttentionScore / IncreFlashAttention / PromptFlashAttention under thei
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                   # annotations only: pandas is imported where a frame is built
+    import pandas as pd
+
 import csv
 import math
 from pathlib import Path
