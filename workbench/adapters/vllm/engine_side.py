@@ -277,7 +277,7 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
             ref = np.fromiter((blocks[b].ref_cnt for b in idx), dtype=np.int64, count=len(idx))
             inq = np.fromiter((in_queue(blocks[b]) for b in idx), dtype=bool, count=len(idx))
             if hi > lo:                               # the slice read once: its rules here, its snapshot sent
-                ref_sl, inq_sl = self._read_slice(blocks, lo, hi)
+                ref_sl, inq_sl, hashed_sl = self._read_slice(blocks, lo, hi)
                 sl = np.arange(lo, hi, dtype=np.int64)
                 keep = sl != null if null is not None else np.ones(hi - lo, dtype=bool)
                 idx, ref, inq = (np.concatenate([idx, sl[keep]]), np.concatenate([ref, ref_sl[keep]]),
@@ -286,7 +286,7 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
             found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
                                                      pins, self.ledger.optional[idx], self.ledger.who)
             if hi > lo:
-                arrays, extra = self._slice_snapshot(blocks, lo, hi, ref_sl, inq_sl)
+                arrays, extra = self._slice_snapshot(blocks, lo, hi, ref_sl, inq_sl, hashed_sl)
         if deferred is not None:
             if self.step != deferred or scheduler.requests:
                 return                                # vLLM stepped while we walked: not one pool state

@@ -9,9 +9,15 @@ idle, on the plugin's thread. Blocks vLLM holds on purpose for no request the le
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import sanitizer
+
+
+_REF, _PREV, _NEXT, _HASH = (operator.attrgetter(a) for a in ("ref_cnt", "prev_free_block", "next_free_block",
+                                                              "block_hash"))
 
 
 def in_queue(b) -> bool:
@@ -30,17 +36,20 @@ class PoolSweep:
         self.cursor = hi if hi < n else 0
         return lo, hi
 
-    def _read_slice(self, blocks, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ref_cnt, on the free queue) of blocks lo..hi-1, the null block included."""
-        ref = np.fromiter((blocks[b].ref_cnt for b in range(lo, hi)), dtype=np.int64, count=hi - lo)
-        free = np.fromiter((in_queue(blocks[b]) for b in range(lo, hi)), dtype=bool, count=hi - lo)
-        return ref, free
+    def _read_slice(self, blocks, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ref_cnt, on the free queue, holds a prefix hash) of blocks lo..hi-1, the null block included:
+        each attribute read by a C-level map over the slice, not a Python loop per block."""
+        sl = blocks[lo:hi]
+        ref = np.fromiter(map(_REF, sl), dtype=np.int64, count=hi - lo)
+        prev = np.array([x is not None for x in map(_PREV, sl)], dtype=bool)
+        nxt = np.array([x is not None for x in map(_NEXT, sl)], dtype=bool)
+        hashed = np.array([x is not None for x in map(_HASH, sl)], dtype=bool)
+        return ref, prev & nxt, hashed
 
-    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, free):
+    def _slice_snapshot(self, blocks, lo: int, hi: int, ref, free, hashed):
         """The slice's part of the page map's snapshot (ref, owner, cached), sent with its offset: the
         listener patches it into its last full snapshot. Owners from the ledger's last holder of each
         block (a name the dashboard colours by), not a scan."""
-        hashed = np.fromiter((blocks[b].block_hash is not None for b in range(lo, hi)), dtype=bool, count=hi - lo)
         owner = np.full(hi - lo, -1, dtype=np.int32)
         new = {}
         last = self.ledger.last_holder
