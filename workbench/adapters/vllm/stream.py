@@ -73,7 +73,6 @@ class Publisher:
         self.queues: dict[str, deque] = {"small": deque(), "bulk": deque()}
         self.queued_bytes = {"small": 0, "bulk": 0}
         self.cv = threading.Condition()        # engine core and its threads may all send
-        self.lock = self.cv
         self.dropped = 0
         self.dropped_bytes = 0
         self.sent = 0
