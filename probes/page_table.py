@@ -9,8 +9,9 @@ kernels read (not its version stamp):
   of the bytes read and whether the staged host rows or the bind went wrong;
 - page ids outside [0, num_pages) (kernels do not validate them);
 - all-zero rows for sequences that map non-zero pages (vllm #7003);
-- stale binding, the cheap first signal: the version a kernel read
-  (AttentionRead.block_table_version) is not the one current for the step;
+- stale binding, the cheap first signal: the version of the bound table the kernels read (after
+  the first and the last layer's attention, through the same tap: an old table bound between
+  them shows at the last) is not the one current for the step;
 - the tables a backend hands its kernels when they are not the bound table itself (the NPU
   ops of a mixed step each get their rows: plan.op_tables()), row by row against the pages.
 On every freed page (PagesFreed): a page freed while a live sequence still maps it.
@@ -34,11 +35,12 @@ from typing import Any
 import numpy as np
 
 from workbench.engine import instrumentation
+from workbench.engine.taps import ModelTap
 from workbench.events import AttentionRead, PagesFreed, StepFinished
 from workbench.probe import Probe
 
 from . import invariants
-from .packing import FirstLayerTap, batch_reference
+from .packing import batch_reference
 
 HINT_RANGE = ("kernels (Ascend paged attention, flash_attn_with_kvcache) do not validate block ids: find "
               "who wrote this row (a table sized for another pool, an unmasked padding id, an id from "
@@ -62,6 +64,26 @@ HINT_REUSED = ("the page was handed out again while this request still reads it:
 MAX_PER_CHECK = 8          # findings one check may add (a broken table can have thousands of bad ids)
 
 
+class _ReadTap(ModelTap):
+    """The table check before layer 0's attention; the version read after the first and the last
+    layer's attention. Called at those two layers only (forward_layers)."""
+    needs = frozenset({"kv", "attention_out"})
+
+    def __init__(self, check_table, read):
+        self.check_table, self.read = check_table, read
+        self.last = 0
+
+    def forward_layers(self, batch):
+        return (0, self.last)
+
+    def on_kv(self, layer, k, v, batch) -> None:
+        if layer == 0:
+            self.check_table(batch)
+
+    def on_attention_out(self, layer, o, batch) -> None:
+        self.read(layer)
+
+
 class PageTableProbe(Probe):
     name = "page_table"
     description = "block-table bounds, stale binding, zero rows; pool scan: free-while-mapped, refcount, reuse"
@@ -71,7 +93,7 @@ class PageTableProbe(Probe):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         self.every, self.max_rows = every, max_rows
-        self._tap = FirstLayerTap(self.guard(self.check_table))
+        self._tap = _ReadTap(self.guard(self.check_table), self.guard(self._on_attention))
         self._batch = None           # the batch of the forward in flight, and the table it reads
         self._read: np.ndarray | None = None
         self._stale_step = None
@@ -80,9 +102,9 @@ class PageTableProbe(Probe):
 
     # ---- wiring ------------------------------------------------------------
     def on_attach(self, engine) -> None:
-        self.listen(AttentionRead, self.on_read)
         self.listen(PagesFreed, self.on_freed)
         self.listen(StepFinished, self.on_step)
+        self._tap.last = engine.model_config.num_layers - 1
         instrumentation.add_tap(engine, self._tap)
 
     def on_detach(self, engine) -> None:
@@ -238,7 +260,13 @@ class PageTableProbe(Probe):
                 evidence={**ev_common, "row": m.row, "column": m.index, "page_read": m.got, "page_meant": m.want,
                           "row_read": a[m.row, :need].tolist()[:64], "row_meant": ref.table[m.row, :need].tolist()[:64]})
 
-    # ---- per layer: the version the kernel read ---------------------------------
+    # ---- the version the kernels read --------------------------------------------
+    def _on_attention(self, layer: int) -> None:
+        """After the first and the last layer's attention: the bound table's version, as the kernels
+        read it (the hooks' AttentionRead says the same for every layer, to the event log)."""
+        bt = self.engine.builder.block_tables
+        self.on_read(AttentionRead(self.engine.step_count, 0, layer, bt.version, bt.checksum, 0))
+
     def on_read(self, e: AttentionRead) -> None:
         bt = self.engine.builder.block_tables
         if e.block_table_version == bt.host_version or self._stale_step == e.step:

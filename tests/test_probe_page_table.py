@@ -128,6 +128,39 @@ def test_stale_binding_garbles_text_and_is_named(sharp_llama_dir):
 
 
 # ---- page_out_of_range ----------------------------------------------------------------
+def test_an_old_table_bound_mid_forward_is_seen_at_the_last_layer(sharp_llama_dir):
+    # the version the kernels read is taken after the first and the last layer's attention (the
+    # probe's tap, called at those two layers only): a bind of an old version after layer 0 shows
+    # at the last layer, named as such
+    from workbench.engine import instrumentation
+    from workbench.engine.taps import ModelTap
+    eng = make_engine(sharp_llama_dir)
+    wb = watched(eng)
+    L = eng.model_config.num_layers
+    bt = eng.builder.block_tables
+
+    class OldBind(ModelTap):                  # after layer 0's attention, the bound version goes back one
+        needs = frozenset({"attention_out"})
+
+        def forward_layers(self, batch):
+            return (0,)
+
+        def on_attention_out(self, layer, o, batch):
+            if eng.step_count == 3:
+                bt.version = bt.host_version - 1
+
+    tap = OldBind()
+    instrumentation.add_tap(eng, tap)
+    try:
+        run(eng, random_prompts((10, 20)))
+    finally:
+        instrumentation.remove_tap(eng, tap)
+    stale = [f for f in wb.findings_at_least("warn") if f.kind == "stale-binding"]
+    assert stale and {f.step for f in stale} == {3}, [f.message for f in stale]
+    assert all(f.evidence["layer"] == L - 1 and f.evidence["version_read"] < f.evidence["version_current"]
+               for f in stale)
+
+
 def test_page_out_of_range_garbles_one_request_and_is_named(sharp_llama_dir):
     prompts = random_prompts((10, 20, 30))
     eng = make_engine(sharp_llama_dir)
