@@ -334,3 +334,19 @@ def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
                             for r in last)
         if budget > STASH_ROWS:
             assert any(t > STASH_ROWS for step, _, t, _ in partial if step in measured)
+
+
+def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny_llama_dir, monkeypatch):
+    """The few-row path keeps each layer's K, V, q and h (views) and reduces them once after the last
+    layer: every figure equals the per-layer path's, so nothing the model wrote later changed them."""
+    import probes.fp16_overflow as fo
+    got = []
+    for stash in (fo.STASH_ROWS, 0):
+        monkeypatch.setattr(fo, "STASH_ROWS", stash)
+        eng = engine(tiny_llama_dir, "float32")
+        wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+        eng.generate(prompts(3, seed=5), GREEDY)
+        df = wb.probe("fp16_overflow").frame()
+        got.append(df[["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]].to_numpy())
+    assert got[0].shape == got[1].shape and len(got[0]) > 0
+    assert np.allclose(got[0], got[1], rtol=1e-6, equal_nan=True)
