@@ -54,7 +54,7 @@ from workbench.probe import Probe
 from .attention_math import attend as _attend
 from .attention_math import causal, explain_read, sample_rows
 from .attention_math import picture as _picture_of
-from .attention_picture import weights_figure
+from .attention_picture import attention_figure
 from .attention_math import rel_rows as _rel_rows
 from .attention_math import head_err as _head_err
 from .shadow import TOLERANCE, _rms, _rope, checkable, scheduled_rows, stored_kv
@@ -389,9 +389,7 @@ class AttentionCheckProbe(Probe):
         if pic is None:
             raise KeyError(f"no picture for this finding ({finding.kind}, request {finding.request_id}, layer "
                            f"{finding.layer}): pictures are kept for this probe's attention-read findings")
-        return weights_figure(pic, heads=finding.evidence.get("heads"),
-                              title=f"request {finding.request_id}, layer {finding.layer}: attention weights, "
-                                    f"want vs got")
+        return attention_figure(finding, pic)
 
     # ---- views -------------------------------------------------------------------------------
     def widget(self):

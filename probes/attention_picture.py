@@ -39,10 +39,11 @@ def weights_figure(pic: dict, heads=None, title: str = "attention weights, want 
     return fig
 
 
-def attention_figure(finding):
-    """The picture of an attention-read finding that carries one in its evidence (the vLLM plugin's
-    `vllm_attention` findings); KeyError naming the finding otherwise."""
-    pic = (finding.evidence or {}).get("picture")
+def attention_figure(finding, pic: dict | None = None):
+    """The picture of an attention-read finding: `pic`, or the one its evidence carries (the vLLM
+    plugin's `vllm_attention` findings, our engine's first per request and layer); KeyError naming
+    the finding when there is none."""
+    pic = pic or (finding.evidence or {}).get("picture")
     if not pic:
         raise KeyError(f"finding {finding.kind!r} (request {finding.request_id}, layer {finding.layer}) carries no "
                        f"attention picture: the attention checks attach one to their attention-read findings")

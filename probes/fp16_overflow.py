@@ -207,11 +207,14 @@ class FP16OverflowProbe(Probe):
         L, hd = self._L, self.engine.model.cfg.head_dim
         T = self._tk[0].shape[0]
 
-        def per_row(ts):
-            return row_absmax(torch.stack([t.reshape(T, -1) for t in ts]).reshape(L * T, -1)).view(L, T)
+        def stacked(ts):                                                              # [L, T, the rest]
+            return torch.stack([t.reshape(T, -1) for t in ts])
 
-        ks = torch.stack([k.reshape(T, -1) for k in self._tk])                       # [L, T, Hkv*D]
-        self._tk, self._tv, self._th = per_row(self._tk), per_row(self._tv), per_row(self._th)
+        def per_row(st):
+            return row_absmax(st.reshape(L * T, -1)).view(L, T)
+
+        ks = stacked(self._tk)                       # stacked once: the absmax and the key norms read it
+        self._tk, self._tv, self._th = per_row(ks), per_row(stacked(self._tv)), per_row(stacked(self._th))
         if self.scores and self._qk[0] is not None:
             q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
             qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)

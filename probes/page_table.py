@@ -36,7 +36,7 @@ import numpy as np
 
 from workbench.engine import instrumentation
 from workbench.engine.taps import ModelTap
-from workbench.events import AttentionRead, PagesFreed, StepFinished
+from workbench.events import PagesFreed, StepFinished
 from workbench.probe import Probe
 
 from . import invariants
@@ -265,20 +265,17 @@ class PageTableProbe(Probe):
         """After the first and the last layer's attention: the bound table's version, as the kernels
         read it (the hooks' AttentionRead says the same for every layer, to the event log)."""
         bt = self.engine.builder.block_tables
-        self.on_read(AttentionRead(self.engine.step_count, 0, layer, bt.version, bt.checksum, 0))
-
-    def on_read(self, e: AttentionRead) -> None:
-        bt = self.engine.builder.block_tables
-        if e.block_table_version == bt.host_version or self._stale_step == e.step:
+        step, version = self.engine.step_count, bt.version
+        if version == bt.host_version or self._stale_step == step:
             return
-        self._stale_step = e.step           # every layer reads the same table: one check per step
-        ev = {"version_read": e.block_table_version, "version_current": bt.host_version,
-              "checksum_read": e.block_table_checksum, "checksum_current": bt.host_checksum, "layer": e.layer}
+        self._stale_step = step             # every layer reads the same table: one check per step
+        ev = {"version_read": version, "version_current": bt.host_version,
+              "checksum_read": bt.checksum, "checksum_current": bt.host_checksum, "layer": layer}
         batch, a = self._batch, self._read
         if batch is None or a is None:
-            self.report("error", f"the kernel read block-table version {e.block_table_version}, "
+            self.report("error", f"the kernel read block-table version {version}, "
                                  f"{bt.host_version} is current", hint=HINT_STALE, kind="stale-binding",
-                        dedup=("stale-binding", e.step), step=e.step, evidence=ev)
+                        dedup=("stale-binding", step), step=step, evidence=ev)
             return
         ev["batch_version"] = batch.block_tables_version
         # The table the sequences mean: the reference check_table built for this batch, padded to
@@ -295,10 +292,10 @@ class PageTableProbe(Probe):
         ev["checksum_rows_meant"] = zlib.crc32(meant.astype(np.int32).tobytes())
         rows = np.nonzero(wrong.any(axis=1))[0]
         if len(rows) == 0:
-            self.report("warn", f"the kernel read block-table version {e.block_table_version} while "
+            self.report("warn", f"the kernel read block-table version {version} while "
                                 f"{bt.host_version} is current; the rows it read still match the page table, "
                                 f"so this step is right by luck", hint=HINT_STALE, kind="stale-binding",
-                        dedup=("stale-binding-latent",), step=e.step, evidence=ev)
+                        dedup=("stale-binding-latent",), step=step, evidence=ev)
             return
         for r in rows[:MAX_PER_CHECK]:
             c = int(np.nonzero(wrong[r])[0][0])
@@ -306,9 +303,9 @@ class PageTableProbe(Probe):
             got, want = int(a[r, c]), int(meant[r, c])
             self.report(
                 "error", f"request {seq.request_id}: the kernel read block-table version "
-                         f"{e.block_table_version}, {bt.host_version} is current; column {c} read page {got}, "
+                         f"{version}, {bt.host_version} is current; column {c} read page {got}, "
                          f"the page table says {want}", hint=HINT_STALE, kind="stale-binding",
-                dedup=("stale-binding", seq.request_id, want), step=e.step, request_id=seq.request_id,
+                dedup=("stale-binding", seq.request_id, want), step=step, request_id=seq.request_id,
                 page=want, evidence={**ev, "row": int(r), "column": c, "page_read": got, "page_meant": want,
                                      "row_read": a[r, : int(need[r])].tolist(),
                                      "row_meant": meant[r, : int(need[r])].tolist()})

@@ -70,9 +70,10 @@ def cached_rows(so):
     if c is None:
         return
     resumed = set(getattr(c, "resumed_req_ids", None) or ())
-    for i, rid in enumerate(c.req_ids):
-        new = c.new_block_ids[i] if i < len(c.new_block_ids) else None
-        yield rid, new, int(c.num_computed_tokens[i]), rid in resumed
+    new_ids = c.new_block_ids
+    n = len(new_ids)
+    for i, (rid, computed) in enumerate(zip(c.req_ids, c.num_computed_tokens)):
+        yield rid, (new_ids[i] if i < n else None), int(computed), rid in resumed
 
 
 def whole_lists(so):
@@ -197,30 +198,23 @@ class BlockLedger:
             after[nr.req_id] = e.computed + e.scheduled
             self._advance(e, d)
         windowed = self._windowed()
-        c = getattr(so, "scheduled_cached_reqs", None)
-        if c is not None:
-            # the running requests: one pass over CachedRequestData's parallel lists (a decode step of
-            # 256 requests is 256 rows; most get no new block), no generator, no per-row rule walk
-            # unless a group has a window
-            resumed = set(getattr(c, "resumed_req_ids", None) or ())
-            new_ids = c.new_block_ids
-            reqs, get = self.reqs, sched.get
-            for i, (rid, computed) in enumerate(zip(c.req_ids, c.num_computed_tokens)):
-                new = new_ids[i] if i < len(new_ids) else None
-                is_resumed = rid in resumed if resumed else False
-                if is_resumed:
-                    self._map(rid, new or (), d, replace=True)
-                elif new:
-                    self._map(rid, new, d, replace=False)
-                e = reqs.get(rid)
-                if e is None:                  # a running request the ledger never saw added
-                    e = reqs[rid] = Entry([])
-                e.computed, e.scheduled = int(computed), int(get(rid, 0))
-                if is_resumed:
-                    e.processed = e.computed
-                if windowed:
-                    after[rid] = e.computed + e.scheduled
-                    self._advance(e, d)
+        reqs, get = self.reqs, sched.get
+        # the running requests (a decode step of 256 requests is 256 rows; most get no new block):
+        # no per-row rule walk unless a group has a window
+        for rid, new, computed, is_resumed in cached_rows(so):
+            if is_resumed:
+                self._map(rid, new or (), d, replace=True)
+            elif new:
+                self._map(rid, new, d, replace=False)
+            e = reqs.get(rid)
+            if e is None:                      # a running request the ledger never saw added
+                e = reqs[rid] = Entry([])
+            e.computed, e.scheduled = computed, int(get(rid, 0))
+            if is_resumed:
+                e.processed = e.computed
+            if windowed:
+                after[rid] = e.computed + e.scheduled
+                self._advance(e, d)
         if windowed:
             self._after[id(so)] = after
             while len(self._after) > 64:       # outputs whose results never came back: bounded
