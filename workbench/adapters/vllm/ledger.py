@@ -76,6 +76,16 @@ def cached_rows(so):
         yield rid, (new_ids[i] if i < n else None), int(computed), rid in resumed
 
 
+def grown_rows(so):
+    """(request, its new block ids per group, resumed?) for the rows of CachedRequestData that got
+    blocks in this SchedulerOutput: a decode step's few, without a tuple for every running row."""
+    c = getattr(so, "scheduled_cached_reqs", None)
+    if c is None:
+        return ()
+    resumed = set(getattr(c, "resumed_req_ids", None) or ())
+    return ((rid, new, rid in resumed) for rid, new in zip(c.req_ids, c.new_block_ids) if new)
+
+
 def whole_lists(so):
     """(request, its block ids per group, computed tokens) for each request that got its whole block
     list in this SchedulerOutput: new requests and resumed ones (their computed tokens: a prefix hit)."""

@@ -39,7 +39,7 @@ from workbench.recorder.bundle import freeze
 from workbench.recorder.ring import SegmentRing, prompt_fields
 
 from . import status as st
-from .ledger import cached_rows, whole_lists
+from .ledger import grown_rows, whole_lists
 
 
 class VllmRecorder:
@@ -186,8 +186,8 @@ class VllmRecorder:
         t_ns = time.time_ns()
         self.on_release(scheduler, delta, step)
         bs = [int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups]
-        for rid, new, _, resumed in cached_rows(so):
-            if new and not resumed:                    # only the rows that got blocks (few in a decode step)
+        for rid, new, resumed in grown_rows(so):     # only the rows that got blocks (few in a decode step)
+            if not resumed:
                 pages = [b for ids in new for b in ids if b != null]
                 if pages:
                     w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
