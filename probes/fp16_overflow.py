@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.engine import instrumentation, kv_scale
-from workbench.engine.attention.native import row_absmax
+from workbench.engine.attention.native import row_absmax, rows_absmax
 from workbench.engine.model import rms_norm
 from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
@@ -214,7 +214,8 @@ class FP16OverflowProbe(Probe):
             return row_absmax(st.reshape(L * T, -1)).view(L, T)
 
         ks = stacked(self._tk)                       # stacked once: the absmax and the key norms read it
-        self._tk, self._tv, self._th = per_row(ks), per_row(stacked(self._tv)), per_row(stacked(self._th))
+        # V and h are only reduced: one call over every layer's tensor, no stacked copy
+        self._tk, self._tv, self._th = per_row(ks), rows_absmax(self._tv), rows_absmax(self._th)
         if self.scores and self._qk[0] is not None:
             q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
             qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)

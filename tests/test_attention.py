@@ -183,6 +183,32 @@ def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
     assert torch.equal(native.kernel().row_absmax(strided), strided.abs().amax(dim=1))
 
 
+@pytest.mark.parametrize("cols", [5, 16, 37, 192])           # under one 16-lane block, exactly one, a tail
+def test_compiled_absmax_lanes_keep_nan_inf_and_the_max_wherever_they_fall(cols):
+    """The 16-lane loops: a NaN, an inf or the largest value in a lane, in the tail, in any row."""
+    need_kernel()
+    k = native.kernel()
+    for pos in [(0, 0), (2, cols - 1), (1, min(15, cols - 1)), (3, cols // 2)]:
+        for val in (float("nan"), float("inf"), -float("inf"), -1e30):
+            x = torch.randn(4, cols)
+            x[pos] = val
+            ref_rows, ref = x.abs().amax(dim=1), x.abs().max()
+            assert torch.equal(k.row_absmax(x).nan_to_num(-1), ref_rows.nan_to_num(-1)), (pos, val)
+            got = k.absmax(x)
+            assert (got != got) if ref.isnan() else got == float(ref), (pos, val)
+            parts = [x, x[:, : max(1, cols // 3)]]                              # rows_absmax: C differs per tensor
+            want = torch.stack([p.abs().amax(dim=1) for p in parts])
+            assert torch.equal(native.rows_absmax(parts).nan_to_num(-1), want.nan_to_num(-1)), (pos, val)
+
+
+def test_rows_absmax_falls_back_to_torch_off_the_kernel_path():
+    """Not float32 (bf16 layers) or too big for one thread: stacked and reduced by torch, same answer."""
+    xs = [torch.randn(6, 3, 8).to(torch.bfloat16) for _ in range(3)]
+    assert torch.equal(native.rows_absmax(xs), torch.stack([x.reshape(6, -1).abs().amax(1) for x in xs]))
+    big = [torch.randn(64, native.BIG_ROWS // 32) for _ in range(2)]
+    assert torch.equal(native.rows_absmax(big), torch.stack([x.abs().amax(1) for x in big]))
+
+
 # Chunks of one prefill call: (queries n, context c, fresh). Odd block tails (37, 5 of 100, 49), a
 # one-token chunk, 16-position items and shorter ones.
 PREFILL_SPECS = [(37, 37, True), (5, 40, False), (16, 16, True), (20, 100, False), (1, 1, True), (33, 49, False)]

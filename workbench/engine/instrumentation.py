@@ -36,11 +36,17 @@ class ModelHooks:
         self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
-        self._build([True] * len(self._declared))
+        self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
+        self._build([True] * len(self._declared))  # (the attention probe) meets each answer again
 
     def _build(self, active: list) -> None:
         """The per-layer call lists for taps active at these layers (True: every layer)."""
         self._active = active
+        key = tuple(active)
+        got = self._built.get(key)
+        if got is not None:
+            self._q, self._kv, self._out, self._hidden = got
+            return
         L = self.num_layers
 
         def per_layer(needs: set, method: str) -> list:
@@ -53,6 +59,8 @@ class ModelHooks:
         self._kv = per_layer({"kv"}, "on_kv")
         self._out = per_layer({"attention_out"}, "on_attention_out")
         self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
+        if len(self._built) < 4096:
+            self._built[key] = (self._q, self._kv, self._out, self._hidden)
 
     def begin_forward(self, batch) -> None:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
@@ -71,8 +79,8 @@ class ModelHooks:
     def on_kv(self, layer, k, v, batch, q=None) -> None:
         bus = self.bus
         if bus.wants(KVWritten):
-            bus.emit(KVWritten(self.engine.step_count, now_ns(), layer, native.absmax(k), native.absmax(v),
-                               int(k.shape[0])))
+            bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, native.absmax(k), native.absmax(v),
+                                     int(k.shape[0])))      # the event object only for who takes objects
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)
@@ -89,8 +97,8 @@ class ModelHooks:
             bt = self.engine.builder.block_tables
             plan = batch.attn_plan
             pages = plan.pages_read if plan is not None else 0
-            bus.emit(AttentionRead(self.engine.step_count, now_ns(), layer, bt.version, bt.checksum,
-                                   pages * self.kv_bytes_per_page_layer))
+            bus.emit_row(AttentionRead, (self.engine.step_count, now_ns(), layer, bt.version, bt.checksum,
+                                         pages * self.kv_bytes_per_page_layer))
 
     @property
     def reads_hidden(self) -> bool:

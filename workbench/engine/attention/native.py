@@ -44,11 +44,25 @@ def row_absmax(x: torch.Tensor) -> torch.Tensor:
     return kernel().row_absmax(x2) if x2 is not None else x.reshape(x.shape[0], -1).abs().amax(dim=1)
 
 
+def rows_absmax(xs: list) -> torch.Tensor:
+    """[len(xs), R]: row_absmax of each of xs (tensors of R rows each), in one compiled call over all of
+    them where they are small CPU float32 (a decode forward's layers: no stack, no call per layer),
+    else stacked and reduced by torch."""
+    R, x0 = xs[0].shape[0], xs[0]
+    k = kernel() if x0.dtype == torch.float32 and x0.device.type == "cpu" else None
+    if k is not None and len(xs) * x0.numel() < 4 * BIG_ROWS:
+        x2 = [x.reshape(R, -1) for x in xs]
+        if all(x.dtype == torch.float32 and x.stride(-1) == 1 for x in x2):
+            return k.rows_absmax(x2)
+    return torch.stack([x.reshape(R, -1).abs().amax(dim=1) for x in xs])
+
+
 def absmax(x: torch.Tensor) -> float:
-    """max |x| as a float, NaN-propagating; compiled on CPU float32, torch elsewhere."""
-    if x.numel() == 0:
+    """max |x| as a float, NaN-propagating; compiled on CPU float32, torch elsewhere and for big tensors."""
+    n = x.numel()
+    if n == 0:
         return 0.0
-    x2 = _rows(x)
+    x2 = _rows(x) if n < BIG_ROWS else None         # a prefill's K: torch's threads, as in row_absmax
     return kernel().absmax(x2) if x2 is not None else float(x.abs().max())
 
 
