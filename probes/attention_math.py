@@ -27,13 +27,17 @@ def head_err(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
                             nan=math.inf)
 
 
-def causal(pos: torch.Tensor, ctx: int, base: int = 0, window: int = 0, shift: int = 0) -> torch.Tensor:
+def causal(pos: torch.Tensor, ctx: int, base: int = 0, window: int = 0, shift: int = 0,
+           chunk: int = 0) -> torch.Tensor:
     """[rows, ctx]: key base + j is read by the row at position p iff base + j <= p + shift and, with a
-    sliding window of W tokens, base + j > p - W (vLLM's and FlashAttention's (W - 1, 0))."""
+    sliding window of W tokens, base + j > p - W (vLLM's and FlashAttention's (W - 1, 0)); with
+    chunked-local attention of C tokens (Llama 4), only keys of p's own chunk: (base + j) // C == p // C."""
     keys = base + torch.arange(ctx, device=pos.device)[None, :]
     ok = keys <= pos[:, None] + shift
     if window > 0:
         ok &= keys > pos[:, None] - window
+    if chunk > 0:
+        ok &= keys // chunk == pos[:, None] // chunk
     return ok
 
 
@@ -72,10 +76,10 @@ def attend(q, k, v, allowed, scale, kv_head=None, softcap: float = 0.0) -> torch
 
 
 def mask_shift(q, got, k, v, pos, scale: float, tol: float, *, base: int = 0, window: int = 0,
-               softcap: float = 0.0):
+               softcap: float = 0.0, chunk: int = 0):
     """The causal mask shifted by one either way, where it reproduces got: (words, allowed) or None."""
     for d, what in ((1, "each query also sees the next key"), (-1, "each query misses its own key")):
-        shifted = causal(pos, k.shape[0], base, window, shift=d)
+        shifted = causal(pos, k.shape[0], base, window, shift=d, chunk=chunk)
         shifted[:, 0] |= ~shifted.any(-1)               # a row with no key at all would be NaN
         if float(rel_rows(got, attend(q, k, v, shifted, scale, softcap=softcap)).max()) <= tol:
             return f"causal mask shifted by {d:+d} ({what})", shifted
@@ -83,7 +87,7 @@ def mask_shift(q, got, k, v, pos, scale: float, tol: float, *, base: int = 0, wi
 
 
 def explain_read(q, got, k, v, pos, scale: float, tol: float, *, heads, base: int = 0, window: int = 0,
-                 softcap: float = 0.0, page_size: int = 0, pages=None, start: int = 0):
+                 softcap: float = 0.0, page_size: int = 0, pages=None, start: int = 0, chunk: int = 0):
     """The nearest explanation of a bad read whose output it reproduces: (kind, words, the inputs to
     attention that reproduce it: any of allowed / scale / kv_head / k / v) or None.
 
@@ -93,12 +97,12 @@ def explain_read(q, got, k, v, pos, scale: float, tol: float, *, heads, base: in
     context that reads pages (start > 0, at most MAX_PAGE_TRIES pages)."""
     ctx = k.shape[0]
     hq, hkv, hd = q.shape[1], k.shape[1], q.shape[2]
-    allowed = causal(pos, ctx, base, window)
+    allowed = causal(pos, ctx, base, window, chunk=chunk)
 
     def same(allowed_=allowed, scale_=scale, kv_head=None, k_=k, v_=v):
         return float(rel_rows(got, attend(q, k_, v_, allowed_, scale_, kv_head, softcap)).max()) <= tol
 
-    shifted = mask_shift(q, got, k, v, pos, scale, tol, base=base, window=window, softcap=softcap)
+    shifted = mask_shift(q, got, k, v, pos, scale, tol, base=base, window=window, softcap=softcap, chunk=chunk)
     if shifted is not None:
         return "mask", f"a {shifted[0]}", {"allowed": shifted[1]}
     model = hd ** -0.5
@@ -153,7 +157,8 @@ PICTURE_KEYS = 512          # a picture keeps the last this many keys before the
 
 
 def picture(q, k, r: int, pos: int, scale: float, *, base: int = 0, window: int = 0, softcap: float = 0.0,
-            explained: dict | None = None, heads=None, page_size: int = 0, max_keys: int = PICTURE_KEYS) -> dict:
+            explained: dict | None = None, heads=None, page_size: int = 0, max_keys: int = PICTURE_KEYS,
+            chunk: int = 0) -> dict:
     """Row r's attention weights per query head over its context, for a finding's picture: `want`, what
     the model means (float32 over the request's own stored K, the true causal mask and window, the
     model's scale and GQA map) and, when an explanation reproduced the backend's output (explain_read's
@@ -161,7 +166,7 @@ def picture(q, k, r: int, pos: int, scale: float, *, base: int = 0, window: int 
     (default all), and only the last max_keys keys up to the query: plain lists, ready for JSON."""
     hq, hkv, ctx = q.shape[1], k.shape[1], k.shape[0]
     gqa = gqa_map(hq, hkv, q.device)
-    allowed = causal(torch.tensor([pos], device=q.device), ctx, base, window)
+    allowed = causal(torch.tensor([pos], device=q.device), ctx, base, window, chunk=chunk)
 
     def w(allowed_, scale_, kv_head, k_):
         return weights(q[r:r + 1], k_, allowed_, scale_, kv_head, softcap)[:, 0]        # [Hq, ctx]

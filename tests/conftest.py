@@ -49,19 +49,21 @@ def tiny_hf_model(tiny_llama_dir):
 def vllm_models(tmp_path_factory) -> dict:
     """vLLM's tiny random-weight Llamas (workbench/adapters/vllm/tiny_model.py), written once a session
     by transformers in the vLLM environment: "plain" (2 layers of full attention), "hybrid" (a
-    sliding-window layer and a full one: two KV cache groups), "sliding" (both sliding-window)."""
+    sliding-window layer and a full one: two KV cache groups), "sliding" (both sliding-window), "chunked"
+    (a Llama 4 text model: a chunked-local layer and a global one)."""
     import subprocess
     from workbench.adapters.vllm.server import ROOT, vllm_python
     if not vllm_python().exists():
         pytest.skip(f"no vLLM environment at {vllm_python()} (make vllm installs it)")
     out = tmp_path_factory.mktemp("vllm-models")
     code = ("import sys\nfrom workbench.adapters.vllm.tiny_model import write_tiny_model_dir as write\n"
-            "for kind in ('plain', 'hybrid', 'sliding'):\n"
-            "    write(f'{sys.argv[1]}/{kind}', hybrid=kind == 'hybrid', sliding=kind == 'sliding')\n")
+            "for kind in ('plain', 'hybrid', 'sliding', 'chunked'):\n"
+            "    write(f'{sys.argv[1]}/{kind}', hybrid=kind == 'hybrid', sliding=kind == 'sliding',\n"
+            "          chunked=kind == 'chunked')\n")
     p = subprocess.run([str(vllm_python()), "-c", code, str(out)], cwd=str(ROOT), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    return {kind: str(out / kind) for kind in ("plain", "hybrid", "sliding")}
+    return {kind: str(out / kind) for kind in ("plain", "hybrid", "sliding", "chunked")}
 
 
 @pytest.fixture(scope="session")

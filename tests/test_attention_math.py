@@ -49,6 +49,22 @@ def test_window_and_softcap():
     assert torch.allclose(got[0, 0], w @ v[p - 4: p + 1, 0], atol=1e-5)
 
 
+def test_chunked_local_mask_reads_only_the_rows_own_chunk():
+    """Llama 4's chunked-local attention: a row at position p reads keys of its own chunk up to p."""
+    pos = torch.tensor([0, 7, 8, 13, 20])
+    allowed = am.causal(pos, 21, chunk=8)
+    assert [row.nonzero().flatten().tolist() for row in allowed] == \
+        [[0], list(range(8)), [8], list(range(8, 14)), list(range(16, 21))]
+    based = am.causal(pos[2:], 13, base=8, chunk=8)            # the same rows, keys read from position 8 on
+    assert torch.equal(based, allowed[2:, 8:])
+    # a mask shifted within the chunk is named, not taken for a bug of another kind
+    q, k, v, _, scale = _case()
+    p = torch.tensor([9, 14, 15])
+    got = am.attend(q, k, v, am.causal(p, len(k), shift=-1, chunk=8), scale)
+    said = am.mask_shift(q, got, k, v, p, scale, 1e-4, chunk=8)
+    assert said is not None and "shifted by -1" in said[0], said
+
+
 @pytest.mark.parametrize("bug, kind, words", [
     ("mask_ahead", "mask", "shifted by +1"),
     ("mask_behind", "mask", "shifted by -1"),

@@ -1,5 +1,6 @@
 """The attention check inside a real CPU vLLM (issue 37, item 2): clean runs silent on every KV
-cache group kind the CPU build makes (full, sliding window, both in one model, chunked prefills),
+cache group kind the CPU build makes (full, sliding window, both in one model, chunked-local in its
+own group or in the full one, chunked prefills),
 and five math bugs planted in vLLM's CPU attention path through the plugin's fault seams
 (faults.py), each changing the outputs and each caught at `error` naming the request, the layer,
 the row and the explanation that reproduces the backend's output.
@@ -63,6 +64,38 @@ def test_sliding_window_groups_and_chunked_prefills_are_checked_and_silent(model
     assert not _attention(r) and not r.errors, ([f.message for f in _attention(r)], r.errors)
     (cost,) = r.attention_costs.values()
     assert cost["checks"] >= 32 and cost["max_err"]["read"] < 0.01, cost
+
+
+@pytest.mark.parametrize("own_group", [True, False])
+def test_chunked_local_attention_is_checked_within_its_chunk_in_either_group(own_group):
+    """Llama 4's chunked-local layer (64-token chunks): in a ChunkedLocalAttentionSpec group of its own, or in
+    the full group when vLLM keeps the hybrid KV cache manager off (its default for chunked-local). Either way
+    the layer attends within its chunk only; a reference with the plain causal mask would call every row past
+    the first chunk wrong (measured: 0.44 x max), so silence here means the chunk is in the reference."""
+    r = run_inproc("--model", MODELS["chunked"], "--requests", "6", "--max-tokens", "100",
+                   "--max-num-batched-tokens", "64",
+                   env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1" if own_group else "0"})
+    assert r.rc == 0, r.log[-3000:]
+    assert r.result["kv_cache_groups"] == (["ChunkedLocalAttentionSpec", "FullAttentionSpec"] if own_group
+                                           else ["FullAttentionSpec"])
+    st = r.statuses["vllm_attention"]
+    assert st["active"] and st["path"].startswith("2 of 2 attention layers"), st
+    assert not r.findings and not r.errors, ([f.message for f in r.findings], r.errors)
+    (cost,) = r.attention_costs.values()
+    assert cost["checks"] >= 32 and cost["max_err"]["read"] < 0.01, cost
+
+
+def test_a_mask_bug_in_a_chunked_local_layer_is_explained_within_the_chunk(tmp_path):
+    """The decode mask that misses the newest key, in the chunked model: caught in the chunked-local layer
+    too, and explained as the mask shifted by one (the shift tried within the chunk)."""
+    r = run_inproc("--model", MODELS["chunked"], *RUN,
+                   env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1",
+                        "PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "attention_decode_misses_newest")})
+    assert r.rc == 0, r.log[-3000:]
+    found = [f for f in _attention(r) if f.severity == "error" and f.evidence["layer"] == 0]
+    assert found, [f.message for f in r.findings]
+    assert all(f.evidence["row_kind"] == "decode" for f in found), [f.message for f in found]
+    assert any(f.evidence.get("explanation") == "mask" for f in found), [f.message for f in found]
 
 
 # fault -> (finding kind, explanation, row kinds the bug touches)

@@ -37,15 +37,19 @@ def moved(clean, r) -> dict[str, float]:
             for rid, lp in clean.result["logprobs"].items()}
 
 
-@pytest.mark.parametrize("kind, path", [("hybrid", "sync"), ("hybrid", "batch-queue"), ("sliding", "sync")])
+@pytest.mark.parametrize("kind, path", [("hybrid", "sync"), ("hybrid", "batch-queue"), ("sliding", "sync"),
+                                        ("chunked", "sync")])
 def test_a_long_clean_workload_is_silent_with_every_group_checked(models, kind, path):
     # prefix hits (a 70-token shared prefix), chunked prefill (a 64-token budget under ~90-150-token
     # prompts), preemption (48 blocks for 16 requests), aborts, blocks leaving the 64-token window;
     # the batch queue (async scheduling's path) frees window blocks only once a step's results are back
-    blocks = {"hybrid": "48", "sliding": "20"}[kind]           # small enough to preempt
+    # chunked: Llama 4's chunked-local layer in a ChunkedLocalAttentionSpec group of its own (vLLM keeps it
+    # in the full group unless told otherwise), whose blocks before the current 64-token chunk are freed
+    blocks = {"hybrid": "48", "sliding": "20", "chunked": "48"}[kind]           # small enough to preempt
     r = run_inproc("--model", models[kind], "--requests", "16", "--max-tokens", "160", "--num-blocks", blocks,
                    "--max-num-batched-tokens", "64", "--stagger", "3", "--abort", "r3:20", "--abort", "r7:60",
-                   *(["--batch-queue"] if path == "batch-queue" else []))
+                   *(["--batch-queue"] if path == "batch-queue" else []),
+                   env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"} if kind == "chunked" else None)
     assert r.rc == 0, r.log[-3000:]
     assert not r.at_least("warn"), [f.message for f in r.findings]
     # every per-request structure of the plugin is empty again once every request ended (finished in
@@ -62,11 +66,14 @@ def test_a_long_clean_workload_is_silent_with_every_group_checked(models, kind, 
         assert res["kv_cache_groups"] == ["SlidingWindowSpec"] and res["preemptions"] > 0
         assert res["num_free_after"] == res["num_blocks"] - 1 and res["min_ref_cnt"] == 0
         return
-    assert res["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
+    first = {"hybrid": "SlidingWindowSpec", "chunked": "ChunkedLocalAttentionSpec"}[kind]
+    assert res["kv_cache_groups"] == [first, "FullAttentionSpec"]
     assert res["preemptions"] > 0 and "r3" not in res["finished"] and len(res["finished"]) == 14
     assert res["num_free_after"] == res["num_blocks"] - 1 and res["min_ref_cnt"] == 0     # all back but the null block
     reason = r.statuses["vllm_pool"]["reason"]
-    assert "group 0 SlidingWindowSpec (block 32; window 64 tokens" in reason and "group 1 FullAttentionSpec" in reason
+    rule = {"hybrid": "window 64 tokens", "chunked": "chunks of 64 tokens"}[kind]
+    assert f"group 0 {first} (block 32; {rule}" in reason and "group 1 FullAttentionSpec" in reason, reason
+    assert r.statuses["vllm_attention"]["path"].startswith("2 of 2 attention layers"), r.statuses["vllm_attention"]
     (cost,) = r.costs.values()
     assert cost["groups"].get(0, 0) > 100 and cost["groups"].get(1, 0) > 100, cost      # both groups' metadata
     assert max(s.get("hits_checked") or 0 for s in r.steps) > 0                         # prefix hits were checked

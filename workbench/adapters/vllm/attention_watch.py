@@ -13,18 +13,19 @@ our engine's attention probe does. The reference is ours, not vLLM's: the rows o
 from the ledger (the scheduler's token counts in the worker's row order, not query_start_loc), its
 K/V from the KV cache tensor through the blocks the ledger says it owns (mapped to kernel blocks as
 vLLM maps them, unpacked as kv_layout.py learned from vLLM's own write), and the mask, window,
-scale, soft-cap and GQA map from the layer's own attributes. Two comparisons:
+chunk (chunked-local attention), scale, soft-cap and GQA map from the layer's own attributes. Two
+comparisons:
 
   write  the K/V this step handed to the layer vs what its slots hold now;
   read   the backend's output for up to `max_rows` query rows vs float32 attention over the stored
-         K/V (true causal mask, sliding window, scale, soft-cap, GQA map); when it fails, the nearest
+         K/V (true causal mask, sliding window or local chunk, scale, soft-cap, GQA map); when it fails, the nearest
          explanation (probes/attention_math.explain_read: mask shifted, scale, KV head map, page
          left out or read from its neighbour).
 
 On CUDA / NPU nothing synchronizes the stream: the rows and pages are copied to pinned host memory
 without blocking, an event is recorded, and the check is judged at a later execution once the
 event has completed (source-checked only: this machine has no GPU). Where the check cannot run (MLA,
-an unknown backend's cache layout, ALiBi / sinks, KV sharing, chunked-local groups, an fp8 cache,
+an unknown backend's cache layout, ALiBi / sinks, KV sharing, an fp8 cache,
 full CUDA graphs that replay attention without Python) the status line says so and why.
 """
 from __future__ import annotations
@@ -120,15 +121,22 @@ class AttentionWatch:
         if g is None:
             return "in no KV cache group", {}
         spec = type(groups[g].kv_cache_spec).__name__
-        if spec not in ("FullAttentionSpec", "SlidingWindowSpec"):
+        if spec not in ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
             return f"{spec} group (rows are not requests)", {}
+        # chunked-local attention (Llama 4's RoPE layers): the layer's own chunk size, whichever group holds it
+        # (its own ChunkedLocalAttentionSpec group, or a full one when the hybrid KV cache manager is off).
+        # Its backend splits the batch into virtual rows; q / k / v / output stay in the scheduler's token order
+        chunk = getattr(layer, "attention_chunk_size", None)
+        if not chunk and spec == "ChunkedLocalAttentionSpec":
+            chunk = groups[g].kv_cache_spec.attention_chunk_size
+        chunk = int(chunk or 0)
         layout, why = layout_of(impl)
         if layout is None:
             return why, {}
         w = getattr(impl, "sliding_window", None)
         window = (w[0] + 1 if w[0] >= 0 else 0) if isinstance(w, tuple) else (w if w and w > 0 else 0)
         return "", {"index": _layer_index(name), "group": g, "layout": layout, "window": int(window),
-                    "softcap": float(getattr(impl, "logits_soft_cap", 0) or 0), "scale": float(impl.scale),
+                    "softcap": float(getattr(impl, "logits_soft_cap", 0) or 0), "scale": float(impl.scale), "chunk": chunk,
                     "heads": int(impl.num_heads), "head_size": int(impl.head_size), "block_size": int(groups[g].kv_cache_spec.block_size)}
 
     def _wrap(self, name, orig):
@@ -245,6 +253,8 @@ class AttentionWatch:
         first = 0
         if info["window"]:                          # a window reads no key before p - W + 1: vLLM may have freed it
             first = max(0, p["computed"] - info["window"] + 1) // kbs
+        elif info["chunk"]:                         # nor a chunk any key before its chunk's start (freed likewise)
+            first = p["computed"] // info["chunk"] * info["chunk"] // kbs
         last = -(-ctx // kbs)
         blocks = pages[first:last]
         ks, vs = read_kv(info["layout"], kv_cache, blocks, isa=getattr(layer, "isa", None),
@@ -286,7 +296,7 @@ class AttentionWatch:
             return self._report_write(p, s, wk, wv, ks[start - base:], vs[start - base:], kh, vh, tol)
         q, got = s["q"].float(), s["o"].float()
         pos = torch.from_numpy(p["sel"] + start)
-        allowed = am.causal(pos, ctx - base, base, info["window"])
+        allowed = am.causal(pos, ctx - base, base, info["window"], chunk=info["chunk"])
         want = am.attend(q, ks, vs, allowed, info["scale"], softcap=info["softcap"])
         err = am.rel_rows(got, want)
         self.max_err["read"] = max(self.max_err["read"], float(err.max()))
@@ -337,12 +347,13 @@ class AttentionWatch:
         heads = [int(h) for h in torch.nonzero(am.head_err(got, want) > tol).flatten()]
         match = am.explain_read(q, got, ks, vs, pos, info["scale"], tol, heads=heads, base=s["base"],
                                 window=info["window"], softcap=info["softcap"], page_size=s["kbs"],
-                                pages=s["blocks"], start=p["computed"])
+                                pages=s["blocks"], start=p["computed"], chunk=info["chunk"])
         # the finding's picture (probes/attention_picture.py draws it on the workbench's side): the
         # wrong heads' weights, want vs got, over the last keys up to the query; a few kB of JSON
         pic = am.picture(q, ks, r, int(pos[r]), info["scale"], base=s["base"], window=info["window"],
                          softcap=info["softcap"], explained=match[2] if match else None,
-                         heads=(heads or list(range(q.shape[1])))[:PICTURE_HEADS], page_size=s["kbs"])
+                         heads=(heads or list(range(q.shape[1])))[:PICTURE_HEADS], page_size=s["kbs"],
+                         chunk=info["chunk"])
         self._emit(p, s, "attention-read", int(pos[r]),
                    f"the backend's attention output differs from float32 attention over the request's own stored "
                    f"K/V in head(s) {heads} (error {float(err[r]):.3g} x max, tolerance {tol:.1g}, "

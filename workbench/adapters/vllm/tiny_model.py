@@ -12,9 +12,14 @@ of HYBRID_WINDOW tokens) and layer 1 full attention, through the config's `layer
 Gemma 3 / Mistral-style models spell it: vLLM gives it two KV cache groups (SlidingWindowSpec
 and FullAttentionSpec) sharing one block pool, and frees the sliding group's blocks as they
 leave the window, mid-request. The sliding variant (`sliding=True`, `--sliding`) makes both layers
-sliding-window: one SlidingWindowSpec group (a Mistral-7B-v0.1-like model). Nothing is downloaded.
+sliding-window: one SlidingWindowSpec group (a Mistral-7B-v0.1-like model). The chunked variant
+(`chunked=True`, `--chunked`) is a Llama 4 text model of the same size: layer 0 chunked-local
+attention with RoPE (chunks of HYBRID_WINDOW tokens), layer 1 global attention without RoPE, dense
+MLPs (no experts). vLLM gives it a ChunkedLocalAttentionSpec group beside a FullAttentionSpec one
+when VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, and one FullAttentionSpec group (its
+chunked layer still attends within its chunk) otherwise. Nothing is downloaded.
 
-    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid | --sliding] [OUT]   # prints the directory
+    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid | --sliding | --chunked] [OUT]   # prints the directory
 """
 from __future__ import annotations
 
@@ -29,26 +34,37 @@ DEFAULT_TINY_DIR = Path(os.environ.get("PAGEDKV_VLLM_TINY_DIR",
                                        Path(__file__).resolve().parents[3] / ".cache" / "vllm-tiny-model"))
 DEFAULT_HYBRID_DIR = DEFAULT_TINY_DIR.with_name("vllm-hybrid-model")
 DEFAULT_SLIDING_DIR = DEFAULT_TINY_DIR.with_name("vllm-sliding-model")
+DEFAULT_CHUNKED_DIR = DEFAULT_TINY_DIR.with_name("vllm-chunked-model")
 HYBRID_WINDOW = 64
 _DONE = ".written-gqa"          # the marker names the shape: an older directory is written again
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json")
 
 
-def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False, sliding: bool = False) -> Path:
-    out = Path(out or (DEFAULT_HYBRID_DIR if hybrid else DEFAULT_SLIDING_DIR if sliding else DEFAULT_TINY_DIR))
+def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False, sliding: bool = False,
+                         chunked: bool = False) -> Path:
+    out = Path(out or (DEFAULT_HYBRID_DIR if hybrid else DEFAULT_SLIDING_DIR if sliding else
+                       DEFAULT_CHUNKED_DIR if chunked else DEFAULT_TINY_DIR))
     layers = (["sliding_attention", "full_attention"] if hybrid else ["sliding_attention"] * 2 if sliding else None)
     if (out / _DONE).exists():
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     src = write_model_dir(DEFAULT_DIR)               # for the tokenizer (and its vocabulary size)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=8192,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16",
-                      **({"layer_types": layers, "sliding_window": HYBRID_WINDOW} if layers else {}))
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=8192,
+                 bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    if chunked:
+        from transformers import Llama4ForCausalLM as Model, Llama4TextConfig
+        # no_rope_layers: 1 = RoPE (and chunked-local), 0 = NoPE global; interleave_moe_layer_step 0: no experts
+        cfg = Llama4TextConfig(**shape, intermediate_size_mlp=256, tie_word_embeddings=False,
+                               attention_chunk_size=HYBRID_WINDOW, no_rope_layers=[1, 0], interleave_moe_layer_step=0,
+                               moe_layers=[], num_local_experts=1, num_experts_per_tok=1, use_qk_norm=False)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM as Model
+        cfg = LlamaConfig(**shape, tie_word_embeddings=True,
+                          **({"layer_types": layers, "sliding_window": HYBRID_WINDOW} if layers else {}))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = Model(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     for name in _TOKENIZER_FILES:
@@ -59,5 +75,6 @@ def write_tiny_model_dir(out: str | Path | None = None, hybrid: bool = False, sl
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--hybrid", "--sliding")]
-    print(write_tiny_model_dir(*(args[:1]), hybrid="--hybrid" in sys.argv[1:], sliding="--sliding" in sys.argv[1:]))
+    args = [a for a in sys.argv[1:] if a not in ("--hybrid", "--sliding", "--chunked")]
+    print(write_tiny_model_dir(*(args[:1]), hybrid="--hybrid" in sys.argv[1:], sliding="--sliding" in sys.argv[1:],
+                               chunked="--chunked" in sys.argv[1:]))
