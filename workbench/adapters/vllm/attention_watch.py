@@ -24,7 +24,8 @@ comparisons:
 
 On CUDA / NPU nothing synchronizes the stream: the rows and pages are copied to pinned host memory
 without blocking, an event is recorded, and the check is judged at a later execution once the
-event has completed (source-checked only: this machine has no GPU). Where the check cannot run (MLA,
+event has completed (never run on a GPU here: tested with a device double that counts every blocking
+host read, tests/test_vllm_host_reads.py). Where the check cannot run (MLA,
 an unknown backend's cache layout, ALiBi / sinks, KV sharing, an fp8 cache,
 full CUDA graphs that replay attention without Python) the status line says so and why.
 """
@@ -41,6 +42,7 @@ from probes import attention_math as am
 
 from . import sanitizer
 from . import status as st
+from .host_copy import record_event, to_host
 from .kv_layout import layout_of, read_kv
 from .worker_side import kernel_pages, kernel_stride
 
@@ -263,7 +265,7 @@ class AttentionWatch:
         snap.update(ks=_host(ks), vs=_host(vs), o=_host(o), blocks=blocks, base=first * kbs, kbs=kbs,
                     dtype=kv_cache.dtype)
         if output.is_cuda or getattr(output.device, "type", "cpu") not in ("cpu",):
-            snap["event"] = _event(output.device)
+            snap["event"] = record_event(output.device)
             self._pending.append((p, snap))
             if len(self._pending) > 4:              # a device that never finishes: drop, never block
                 del self._pending[0]
@@ -380,21 +382,8 @@ def _layer_index(name: str) -> int:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy that does not block the stream (pinned, non_blocking) on a device. On CPU the tensor
-    itself: a CPU check is judged inside the same impl.forward call, before vLLM reuses any buffer
-    (q and the output rows are index_select copies already; the handed K/V slices are not written by
-    the backend)."""
-    if t.device.type == "cpu":
-        return t.detach()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t.detach(), non_blocking=True)
-
-
-def _event(device):
-    mod = getattr(torch, device.type, None)
-    ev = getattr(mod, "Event", None) if mod is not None else None
-    if ev is None:
-        return None
-    e = ev()
-    e.record()
-    return e
+    """A host copy that does not block the stream (host_copy.to_host: pinned, non_blocking) on a device.
+    On CPU the tensor itself: a CPU check is judged inside the same impl.forward call, before vLLM reuses
+    any buffer (q and the output rows are index_select copies already; the handed K/V slices are not
+    written by the backend)."""
+    return to_host(t)

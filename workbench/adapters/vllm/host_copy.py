@@ -23,7 +23,26 @@ def _on_host(t) -> bool:
     return getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
 
 
-def _event(device):
+def host_buffer(shape, dtype):
+    """An empty host tensor to copy a device tensor into without blocking: pinned where this torch
+    has a pinned allocator, else pageable (a CPU-only torch; the copy then waits, but nothing here
+    has a stream to wait for)."""
+    import torch
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(shape, dtype=dtype)
+
+
+def to_host(t):
+    """t copied to the host without blocking the stream (judge it once record_event's event has
+    completed). A tensor on the host is returned as it is."""
+    if _on_host(t):
+        return t.detach()
+    return host_buffer(t.shape, t.dtype).copy_(t.detach(), non_blocking=True)
+
+
+def record_event(device):
     """An event on device's current stream (None where this torch has no event for it)."""
     import torch
     for make in (lambda: torch.Event(device=device),
@@ -66,10 +85,7 @@ class HostCopies:
         for i, b in enumerate(pool):
             if b.dtype == like.dtype and b.numel() >= n:
                 return pool.pop(i)[:n]
-        try:
-            return torch.empty(max(n, 1024), dtype=like.dtype, pin_memory=True)[:n]
-        except Exception:                     # no pinned memory here (a CPU-only torch): pageable
-            return torch.empty(max(n, 1024), dtype=like.dtype)[:n]
+        return host_buffer(max(n, 1024), like.dtype)[:n]
 
     def take(self, tensors: dict, payload=None) -> Pending:
         """tensors: name -> (tensor, rows or None) | None. Returns the Pending (already ready when every
@@ -92,7 +108,7 @@ class HostCopies:
             arrays[name] = buf.view(t.shape)
             device = t.device
             self.copies += 1
-        p = Pending(arrays, None if device is None else _event(device), payload, device is None)
+        p = Pending(arrays, None if device is None else record_event(device), payload, device is None)
         if device is not None:
             self.pending.append(p)
             while len(self.pending) > self.depth:
