@@ -202,11 +202,14 @@ def test_compiled_absmax_lanes_keep_nan_inf_and_the_max_wherever_they_fall(cols)
 
 
 def test_rows_absmax_falls_back_to_torch_off_the_kernel_path():
-    """Not float32 (bf16 layers) or too big for one thread: stacked and reduced by torch, same answer."""
+    """Not float32 (bf16 layers): stacked and reduced by torch, same answer; big float32 rows (a prefill's
+    hidden states), compiled over threads, the same answer too."""
     xs = [torch.randn(6, 3, 8).to(torch.bfloat16) for _ in range(3)]
     assert torch.equal(native.rows_absmax(xs), torch.stack([x.reshape(6, -1).abs().amax(1) for x in xs]))
-    big = [torch.randn(64, native.BIG_ROWS // 32) for _ in range(2)]
+    big = [torch.randn(2048, 576) for _ in range(2)]
     assert torch.equal(native.rows_absmax(big), torch.stack([x.abs().amax(1) for x in big]))
+    assert torch.equal(native.row_absmax(big[0]), big[0].abs().amax(1))
+    assert native.absmax(big[1]) == float(big[1].abs().max())
 
 
 # Chunks of one prefill call: (queries n, context c, fresh). Odd block tails (37, 5 of 100, 49), a

@@ -9,6 +9,7 @@
 // Work item = one decode row and KV head (and up to 4 of its G = Hq / Hkv query heads,
 // which share its K/V loads): 2 x Hkv items a row keep both cores busy on short batches.
 #include <torch/extension.h>
+#include <cstring>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -573,31 +574,39 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
     body(qkv.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
 }
 
-// max |x| over n floats into *m, and whether a NaN was seen into *nan: 16 independent lanes, so the
-// compiler vectorises it without -ffast-math (a single running max is a loop-carried reduction it
-// will not reorder). About 2x the old one-lane loop here; torch's threads still win on big tensors.
+// max |x| over n floats into *m, and whether a NaN was seen into *nan. Four accumulators of 4-float
+// vectors (GCC vector extensions: SSE / NEON width, native on every build of this file, which AVX2 and
+// AVX-512 builds run as well): no -ffast-math needed, since nothing is reordered across a lane, and
+// ~4x the scalar running max (memory-bound at ~30 GB/s on one core here).
+typedef float absmax_v4f __attribute__((vector_size(16)));
+typedef int32_t absmax_v4i __attribute__((vector_size(16)));
+
 static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan) {
-  constexpr int L = 16;
-  float lm[L] = {0.f};
-  int ln[L] = {0};
+  absmax_v4f mx[4] = {};
+  absmax_v4i nx[4] = {};
+  const absmax_v4i clear_sign = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
   int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    for (int j = 0; j < L; ++j) {
-      const float a = std::fabs(x[i + j]);
-      ln[j] |= (a != a);
-      lm[j] = a > lm[j] ? a : lm[j];
+  for (; i + 16 <= n; i += 16) {
+    for (int u = 0; u < 4; ++u) {
+      absmax_v4f a;
+      std::memcpy(&a, x + i + 4 * u, sizeof(a));             // unaligned rows (k / v views of qkv)
+      a = (absmax_v4f)((absmax_v4i)a & clear_sign);
+      nx[u] |= (a != a);
+      mx[u] = a > mx[u] ? a : mx[u];
     }
   }
   float mm = *m;
   int nn = *nan;
+  for (int u = 0; u < 4; ++u) {
+    for (int j = 0; j < 4; ++j) {
+      nn |= nx[u][j] != 0;
+      mm = mx[u][j] > mm ? mx[u][j] : mm;
+    }
+  }
   for (; i < n; ++i) {
     const float a = std::fabs(x[i]);
     nn |= (a != a);
     mm = a > mm ? a : mm;
-  }
-  for (int j = 0; j < L; ++j) {
-    nn |= ln[j];
-    mm = lm[j] > mm ? lm[j] : mm;
   }
   *m = mm;
   *nan = nn != 0;
