@@ -189,7 +189,8 @@ def test_the_attention_check_copies_without_blocking_and_judges_a_later_executio
                                                               value.as_subclass(torch.Tensor)[i]], -1)
                 ks = c[blocks[r]].transpose(1, 2).reshape(-1, HKV, 2 * D)[: t + 1]
                 s = scale * (2 if bug["on"] and r == "b" else 1)
-                o[i] = am.attend(q[i:i + 1], ks[..., :D], ks[..., D:], am.causal(torch.tensor([t]), t + 1), s).reshape(-1)
+                allowed = am.causal(torch.tensor([t]), t + 1)
+                o[i] = am.attend(q[i:i + 1], ks[..., :D], ks[..., D:], allowed, s).reshape(-1)
         return output
 
     forward = w._wrap(name, backend)

@@ -18,9 +18,9 @@ comparisons:
 
   write  the K/V this step handed to the layer vs what its slots hold now;
   read   the backend's output for up to `max_rows` query rows vs float32 attention over the stored
-         K/V (true causal mask, sliding window or local chunk, scale, soft-cap, GQA map); when it fails, the nearest
-         explanation (probes/attention_math.explain_read: mask shifted, scale, KV head map, page
-         left out or read from its neighbour).
+         K/V (true causal mask, sliding window or local chunk, scale, soft-cap, GQA map); when it
+         fails, the nearest explanation (probes/attention_math.explain_read: mask shifted, scale, KV
+         head map, page left out or read from its neighbour).
 
 On CUDA / NPU nothing synchronizes the stream: the rows and pages are copied to pinned host memory
 without blocking, an event is recorded, and the check is judged at a later execution once the
@@ -137,9 +137,10 @@ class AttentionWatch:
             return why, {}
         w = getattr(impl, "sliding_window", None)
         window = (w[0] + 1 if w[0] >= 0 else 0) if isinstance(w, tuple) else (w if w and w > 0 else 0)
-        return "", {"index": _layer_index(name), "group": g, "layout": layout, "window": int(window),
-                    "softcap": float(getattr(impl, "logits_soft_cap", 0) or 0), "scale": float(impl.scale), "chunk": chunk,
-                    "heads": int(impl.num_heads), "head_size": int(impl.head_size), "block_size": int(groups[g].kv_cache_spec.block_size)}
+        return "", {"index": _layer_index(name), "group": g, "layout": layout, "window": int(window), "chunk": chunk,
+                    "softcap": float(getattr(impl, "logits_soft_cap", 0) or 0), "scale": float(impl.scale),
+                    "heads": int(impl.num_heads), "head_size": int(impl.head_size),
+                    "block_size": int(groups[g].kv_cache_spec.block_size)}
 
     def _wrap(self, name, orig):
         @functools.wraps(orig)

@@ -80,7 +80,6 @@ class HostCopies:
         self.dropped = 0
 
     def _buffer(self, name: str, like, n: int):
-        import torch
         pool = self._free.setdefault(name, [])
         for i, b in enumerate(pool):
             if b.dtype == like.dtype and b.numel() >= n:

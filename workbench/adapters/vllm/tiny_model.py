@@ -19,7 +19,7 @@ MLPs (no experts). vLLM gives it a ChunkedLocalAttentionSpec group beside a Full
 when VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, and one FullAttentionSpec group (its
 chunked layer still attends within its chunk) otherwise. Nothing is downloaded.
 
-    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid | --sliding | --chunked] [OUT]   # prints the directory
+    .venv/bin/python -m workbench.adapters.vllm.tiny_model [--hybrid | --sliding | --chunked] [OUT]   # prints the dir
 """
 from __future__ import annotations
 
