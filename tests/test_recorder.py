@@ -76,6 +76,29 @@ def test_the_ring_keeps_its_cap_dropping_the_oldest_segment(tmp_path):
     assert steps == list(range(steps[0], 20_000))          # the newest window, whole and in order
 
 
+def test_write_plain_reads_back_as_write_does_and_falls_back_on_what_it_cannot_encode(tmp_path):
+    """The per-step records (ints, strings, lists and dicts of them) through msgspec read back exactly as
+    json.dumps's do: non-ASCII request ids, int keys, big ints; a numpy int (msgspec has no plain encoding
+    for it) goes through write() (json), so nothing is lost or changed."""
+    from workbench.recorder import ring as ring_mod
+    assert ring_mod._PLAIN_ENCODER is not None, "msgspec ([test] extra) is what vLLM's environment runs"
+    recs = [{"k": "tokens", "step": 7, "out": {"cmpl-é-1": [1, 2, 49151], "r2": 3}, "finished": ["r2"]},
+            {"k": "step", "step": 8, "scheduled": {"a": 1, "b": 17}, "preempted": []},
+            {"k": "blocks", "step": 8, "request_id": "a", "groups": [[3, 4], [2**40]], "replace": False},
+            {"k": "ev", "e": "StepFinished", "step": 9, "t_ns": 2**62, "map": {1: "x"}, "none": None, "ok": True},
+            {"k": "odd", "step": 10, "n": np.int64(5), "ids": (1, 2)}]
+    for how in ("write", "write_plain"):
+        ring = SegmentRing(tmp_path / how, {"writer": "test"})
+        for r in recs:
+            getattr(ring, how)(r)
+        ring.close()
+    lines = {how: next((tmp_path / how).glob("seg-*.jsonl")).read_text("utf-8").splitlines()[1:]
+             for how in ("write", "write_plain")}
+    plain, dumped = ([json.loads(ln) for ln in lines[how]] for how in ("write_plain", "write"))
+    assert len(plain) == len(recs) and plain == dumped
+    assert "cmpl-é-1" in lines["write_plain"][0] and "\\u00e9" in lines["write"][0]   # UTF-8 vs escaped: one value
+
+
 def test_a_corrupt_line_and_a_torn_tail_are_named_and_the_rest_opens(sharp_llama_dir, tmp_path):
     eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64, record_dir=str(tmp_path / "r"),
                                                                record_max_bytes=16 * 1024))

@@ -24,6 +24,12 @@ from pathlib import Path
 
 log = logging.getLogger("workbench.recorder")
 
+try:            # vLLM's environment has msgspec (a vLLM requirement): ~10x json.dumps on a step's records
+    import msgspec
+    _PLAIN_ENCODER = msgspec.json.Encoder()
+except ImportError:                     # not a requirement of ours: json.dumps then
+    _PLAIN_ENCODER = None
+
 SCHEMA = "kvwb-recording/1"
 DEFAULT_MAX_BYTES = 256 * 2**20
 SEGMENT_PREFIX = "seg-"
@@ -62,7 +68,22 @@ class SegmentRing:
 
     # ---- writing -------------------------------------------------------------------------
     def write(self, record: dict) -> None:
-        line = json.dumps(record, separators=(",", ":"), default=_plain) + "\n"
+        self._append(json.dumps(record, separators=(",", ":"), default=_plain) + "\n")
+
+    def write_plain(self, record: dict) -> None:
+        """write() for the per-step records made of str, int, bool, None and lists / dicts of them (no
+        floats: msgspec writes NaN as null where json writes NaN): encoded by msgspec where installed,
+        the same JSON but for non-ASCII text left unescaped (UTF-8, as the segment is); anything else
+        in it falls back to write()."""
+        if _PLAIN_ENCODER is None:
+            return self.write(record)
+        try:
+            line = _PLAIN_ENCODER.encode(record).decode() + "\n"
+        except (TypeError, OverflowError):          # a type msgspec does not encode plainly, a huge int
+            return self.write(record)
+        self._append(line)
+
+    def _append(self, line: str) -> None:
         with self._lock:
             self._buf.append(line)
             self.records += 1

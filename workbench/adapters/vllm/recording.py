@@ -180,7 +180,7 @@ class VllmRecorder:
     # ---- the step ----------------------------------------------------------------------------
     def on_schedule(self, scheduler, so, delta, step: int) -> None:
         """delta: the ledger's Delta for this output (who let go of what, which blocks nobody holds)."""
-        w = self.ring.write
+        w, wp = self.ring.write, self.ring.write_plain      # wp: the records of ints and strings, every step
         pool = scheduler.kv_cache_manager.block_pool
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         t_ns = time.time_ns()
@@ -190,10 +190,10 @@ class VllmRecorder:
             if not resumed:
                 pages = [b for ids in new for b in ids if b != null]
                 if pages:
-                    w({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
+                    wp({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
                        "generations": [], "request_id": rid})
-                    w({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in new],
-                       "replace": False})
+                    wp({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in new],
+                        "replace": False})
         for rid, groups, computed in whole_lists(so):
             hits, new = [], []
             for g, ids in enumerate(groups or ()):
@@ -212,8 +212,8 @@ class VllmRecorder:
                 self.seen.add(rid)
                 self._request(scheduler, rid, step)
         self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
-        w({"k": "step", "step": step, "scheduled": dict(getattr(so, "num_scheduled_tokens", None) or {}),
-           "preempted": sorted(getattr(so, "preempted_req_ids", None) or ())})
+        wp({"k": "step", "step": step, "scheduled": dict(getattr(so, "num_scheduled_tokens", None) or {}),
+            "preempted": sorted(getattr(so, "preempted_req_ids", None) or ())})
 
     def on_release(self, scheduler, delta, step: int) -> None:
         """Requests that let go of their blocks (finished, aborted, preempted): the ledger says which
@@ -251,12 +251,13 @@ class VllmRecorder:
         n = len(pool.blocks)
         running = len(scheduler.running)
         sched = getattr(so, "num_scheduled_tokens", None) or {}
-        self.ring.write({"k": "ev", "e": "StepFinished", "step": step, "t_ns": time.time_ns(),
-                         "duration_ns": int((step_s or 0.0) * 1e9), "num_tokens": int(sum(sched.values())),
-                         "num_seqs": len(sched), "num_prefill_tokens": 0, "num_decode_tokens": 0, "bytes_weights": 0,
-                         "bytes_kv_read": 0, "bytes_kv_written": 0, "pages_used": n - pool.get_num_free_blocks(),
-                         "pages_cached": 0, "num_running": running, "num_waiting": len(scheduler.requests) - running,
-                         "num_preemptions": self.preemptions})
+        self.ring.write_plain({"k": "ev", "e": "StepFinished", "step": step, "t_ns": time.time_ns(),
+                               "duration_ns": int((step_s or 0.0) * 1e9), "num_tokens": int(sum(sched.values())),
+                               "num_seqs": len(sched), "num_prefill_tokens": 0, "num_decode_tokens": 0,
+                               "bytes_weights": 0, "bytes_kv_read": 0, "bytes_kv_written": 0,
+                               "pages_used": n - pool.get_num_free_blocks(), "pages_cached": 0,
+                               "num_running": running, "num_waiting": len(scheduler.requests) - running,
+                               "num_preemptions": self.preemptions})
         self.ring.flush()
 
     def _tokens(self, outputs, step: int) -> None:
@@ -270,7 +271,7 @@ class VllmRecorder:
                 if o.finish_reason is not None:
                     done.append(o.request_id)
         if out or done:
-            self.ring.write({"k": "tokens", "step": step, "out": out, "finished": done})
+            self.ring.write_plain({"k": "tokens", "step": step, "out": out, "finished": done})
 
     # ---- findings and dumps ------------------------------------------------------------------
     def note_finding(self, f: dict) -> None:
