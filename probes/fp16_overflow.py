@@ -207,19 +207,13 @@ class FP16OverflowProbe(Probe):
         L, hd = self._L, self.engine.model.cfg.head_dim
         T = self._tk[0].shape[0]
 
-        def stacked(ts):                                                              # [L, T, the rest]
-            return torch.stack([t.reshape(T, -1) for t in ts])
-
-        def per_row(st):
-            return row_absmax(st.reshape(L * T, -1)).view(L, T)
-
-        ks = stacked(self._tk)                       # stacked once: the absmax and the key norms read it
-        # V and h are only reduced: one call over every layer's tensor, no stacked copy
-        self._tk, self._tv, self._th = per_row(ks), rows_absmax(self._tv), rows_absmax(self._th)
+        ks = self._tk
+        # one call over every layer's tensor each, no stacked copy
+        self._tk, self._tv, self._th = rows_absmax(ks), rows_absmax(self._tv), rows_absmax(self._th)
         if self.scores and self._qk[0] is not None:
             q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
             qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)
-            kn = ks.float().reshape(L, -1, hd).norm(dim=-1).amax(1)
+            kn = torch.stack([k.reshape(T, -1) for k in ks]).float().reshape(L, -1, hd).norm(dim=-1).amax(1)
             self._qk = list(torch.stack([qn, kn], 1))
 
     # ---- one measured step ----------------------------------------------------------

@@ -191,7 +191,7 @@ class VllmRecorder:
                 pages = [b for ids in new for b in ids if b != null]
                 if pages:
                     wp({"k": "ev", "e": "PagesAllocated", "step": step, "t_ns": t_ns, "pages": pages,
-                       "generations": [], "request_id": rid})
+                        "generations": [], "request_id": rid})
                     wp({"k": "blocks", "step": step, "request_id": rid, "groups": [list(ids) for ids in new],
                         "replace": False})
         for rid, groups, computed in whole_lists(so):

@@ -33,7 +33,6 @@ def _rows(x: torch.Tensor):
     return x2 if ok and kernel() is not None else None
 
 
-
 def row_absmax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over everything but the first axis, NaN-propagating: compiled on CPU float32 (one
     vectorised pass, rows split over threads only when there are many; ~3x torch's abs + amax on a
@@ -57,8 +56,7 @@ def rows_absmax(xs: list) -> torch.Tensor:
 
 def absmax(x: torch.Tensor) -> float:
     """max |x| as a float, NaN-propagating; compiled on CPU float32 (one thread), torch elsewhere."""
-    n = x.numel()
-    if n == 0:
+    if x.numel() == 0:
         return 0.0
     x2 = _rows(x)
     return kernel().absmax(x2) if x2 is not None else float(x.abs().max())
