@@ -6,8 +6,7 @@ running requests and 10k and 100k KV blocks. Each step's `Scheduler.schedule` an
 `Scheduler.update_from_output` calls are timed whole (the plugin's hooks inside them), and the
 plugin's callbacks inside them are timed apart (every engine-core callback runs through
 hooks._guard); vLLM's own time is the difference. Printed per size: the medians per decode step
-of vLLM's own schedule + update_from_output, the plugin's, and their ratio; the worst step of
-each. Target: the plugin's engine-core time <= 10% of vLLM's own at 256 requests and 100k blocks.
+of vLLM's own schedule + update_from_output, the plugin's, and their ratio. Target: the plugin's engine-core time <= 10% of vLLM's own at 256 requests and 100k blocks.
 
     .venv/bin/python benchmarks/vllm_engine_core_cost.py [--steps 40] [--sizes 64:10000 256:100000 ...]
 """
@@ -74,8 +73,11 @@ def child(model: str, running: int, blocks: int, steps: int) -> None:
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
+    whole = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         core.step_fn()
+        whole.append(time.perf_counter() - t0)
     if prof is not None:
         import pstats
         prof.disable()
@@ -87,7 +89,7 @@ def child(model: str, running: int, blocks: int, steps: int) -> None:
             per_step.append((ta + tb - pa - pb, pa + pb))
     n_free = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     print("RESULT " + json.dumps({"running": len(core.scheduler.running), "blocks": blocks, "free": n_free,
-                                  "steps": per_step}), flush=True)
+                                  "steps": per_step, "whole": whole}), flush=True)
 
 
 def main(argv=None) -> None:
@@ -102,19 +104,28 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
     model = tiny_model()
     print(f"{'running':>8} {'blocks':>8} | {'vLLM own ms/step':>16} {'plugin ms/step':>15} {'plugin/vLLM':>11} | "
-          f"{'worst vLLM':>10} {'worst plugin':>12}")
+          f"{'inline plugin':>13} {'inline/vLLM':>11} | {'whole step ms: off':>18} {'inline':>7} {'thread':>7}")
+    runs = [("thread", True, {}), ("inline", True, {"PAGEDKV_VLLM_CHECK_THREAD": "0"}), ("off", False, {})]
     for size in tqdm(a.sizes, desc="sizes", leave=False):
         running, blocks = map(int, size.split(":"))
-        r = run_child(__file__, [model, running, blocks, a.steps], blocks, timeout_s=1800)
-        if isinstance(r, str):
-            print(f"{running:>8} {blocks:>8} | failed: {r}")
-            continue
-        own = [s[0] * 1e3 for s in r["steps"]]
-        plug = [s[1] * 1e3 for s in r["steps"]]
-        mo, mp = statistics.median(own), statistics.median(plug)
-        print(f"{r['running']:>8} {r['blocks']:>8} | {mo:16.3f} {mp:15.3f} {mp / mo:10.1%} | {max(own):10.2f} "
-              f"{max(plug):12.2f}")
-
+        got = {}
+        for name, plugin, env in runs:
+            r = run_child(__file__, [model, running, blocks, a.steps], blocks, plugin=plugin, extra_env=env,
+                          timeout_s=1800)
+            if isinstance(r, str):
+                print(f"{running:>8} {blocks:>8} | {name} failed: {r}")
+                break
+            got[name] = r
+        else:
+            med = {n: (statistics.median(s[0] for s in r["steps"]) * 1e3,
+                       statistics.median(s[1] for s in r["steps"]) * 1e3,
+                       statistics.median(r["whole"]) * 1e3) for n, r in got.items()}
+            own, plug, _ = med["thread"]
+            _, inl, _ = med["inline"]
+            own_inl = med["inline"][0]
+            print(f"{got['thread']['running']:>8} {blocks:>8} | {own:16.3f} {plug:15.3f} {plug / own:10.1%} | "
+                  f"{inl:13.3f} {inl / own_inl:10.1%} | {med['off'][2]:18.2f} {med['inline'][2]:7.2f} "
+                  f"{med['thread'][2]:7.2f}")
 
 if __name__ == "__main__":
     main()

@@ -122,6 +122,17 @@ def test_a_prefix_hit_that_takes_no_reference_is_caught_at_the_hit(hybrid, tmp_p
     assert {h["kv_cache_group"] for f in at_hit for h in f.evidence["held_as"]} == {0, 1}
     freed = [f for f in first if f.evidence["ref_cnt"] == 0 and f.step <= step + 4]
     assert freed and freed[0].request_id == "r0" and freed[0].evidence["held_as"][0]["kv_cache_group"] == 0
+    # the checks ran on their own thread during the forwards (aside.py); inline on vLLM's thread they
+    # check the same states and find the same blocks at the same steps
+    assert "checks on their own thread" in r.statuses["vllm_pool"]["path"]
+    assert r.result["plugin_sizes"]["check_thread_jobs"] >= r.result["steps"] > 0, r.result["plugin_sizes"]
+    inline = run_inproc(*args, env={"PAGEDKV_VLLM_FAULT_FILE": fault_file(tmp_path, "prefix_hit_skips_ref"),
+                                    "PAGEDKV_VLLM_CHECK_THREAD": "0"})
+    assert "checks inline on vLLM's thread" in inline.statuses["vllm_pool"]["path"]
+
+    def seen(run):
+        return sorted((f.step, f.kind, f.request_id, f.page, f.evidence.get("ref_cnt")) for f in run.at_least("error"))
+    assert seen(inline) == seen(r)
 
 
 def test_a_resumed_request_whose_blocks_are_appended_is_caught_naming_it(hybrid, tmp_path):

@@ -37,6 +37,44 @@ def test_settings_off_by_default_and_bad_values_fall_back_with_a_sentence():
         s = settings.read({"PAGEDKV_VLLM_SANITIZER": bad})
         assert s.enabled and s.address is None and bad in s.problems[0], (bad, s.problems)
     assert settings.read({"PAGEDKV_VLLM_SANITIZER": "ipc:///tmp/kvwb.sock"}).address == "ipc:///tmp/kvwb.sock"
+    on = "tcp://127.0.0.1:5590"
+    assert settings.read({"PAGEDKV_VLLM_SANITIZER": on}).check_thread
+    assert not settings.read({"PAGEDKV_VLLM_SANITIZER": on, "PAGEDKV_VLLM_CHECK_THREAD": "off"}).check_thread
+
+
+def test_the_checks_thread_runs_jobs_in_order_and_drain_waits_for_every_one():
+    """aside.py: jobs run off the caller's thread, in submission order; drain() returns only once all
+    submitted so far are done (vLLM's next call reads a settled state); a job's exception is reported
+    and the next job still runs; inline mode runs each job at once on the caller's thread."""
+    from workbench.adapters.vllm.aside import Aside
+    errors, done, where = [], [], []
+    gate = threading.Event()
+    a = Aside(lambda w, e: errors.append((w, str(e))))
+
+    def job(i, wait_for=None):
+        if wait_for is not None:
+            assert wait_for.wait(5)
+        where.append(threading.current_thread().name)
+        done.append(i)
+
+    def bad():
+        raise ValueError("boom")
+    a.submit("first", job, 0, gate)
+    a.submit("bad", bad)
+    a.submit("third", job, 2)
+    assert done == [] and a._pending == 3             # the first job holds the thread: nothing ran yet
+    t0 = time.perf_counter()
+    threading.Timer(0.2, gate.set).start()
+    a.drain()
+    assert time.perf_counter() - t0 >= 0.15 and a.waited_s >= 0.15   # drain really waited
+    assert done == [0, 2] and errors == [("bad", "boom")] and a._pending == 0
+    assert set(where) == {"kvwb-plugin-checks"}
+    t0 = time.perf_counter()
+    a.drain()                                         # nothing pending: at once
+    assert time.perf_counter() - t0 < 0.01
+    inline = Aside(lambda w, e: errors.append((w, str(e))), threaded=False)
+    inline.submit("inline", job, 3)
+    assert done[-1] == 3 and where[-1] == threading.current_thread().name and inline._thread is None
 
 
 @pytest.mark.parametrize("content, says", [('{"faults": null}', '"faults" must be a list of names'),

@@ -11,6 +11,14 @@ Each check looks at the blocks the step touched (allocated, freed, evicted) and 
 of the pool (pool_sweep.py); the full sweep walks the whole pool and sends its snapshot (one entry
 per block) for the page map when vLLM goes idle, on the plugin's own thread. Prefix provenance
 (provenance_check.py) and forward progress run at schedule time.
+
+Where they run (aside.py): the ledger, provenance, progress and the pool check of the state
+schedule() left run on the checks' own thread while vLLM's forward runs, and are done before
+vLLM's next call that changes that state (update_from_output first). So the pool is checked as
+schedule() left it, each step; a request finished inside update_from_output is let go at once (on
+vLLM's thread: a few dict operations), and its blocks are checked at the next schedule, or by the
+idle sweep when none follows. The step message for step N (its duration, the slice's snapshot)
+goes out during step N+1's forward.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from probes.progress import stalled
 
 from . import sanitizer
 from . import status as st
+from .aside import Aside
 from .ledger import BlockLedger, GroupRule
 from .pool_sweep import PoolSweep, in_queue
 from .provenance_check import ProvenanceCheck
@@ -56,6 +65,16 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         self.recorder = None                          # the flight recorder (recording.py), in this process
         self.cursor = 0                               # the next block the rotating slice check reads
         self.prefix_resets = 0                        # vLLM's prefix-cache resets seen (on_prefix_reset)
+        self.scheduled = 0                            # schedule calls seen (the ledger's steps, counted on vLLM's thread)
+        self.last_step_s = None                       # the last finished step's schedule -> update time
+        self.last_facts: dict | None = None           # its figures for the step message (_facts)
+        self.checked_at = 0                           # the step the running check names in its findings
+        self._check_lock = threading.Lock()           # the step's check and the idle sweep: one at a time
+        self.aside = Aside(rep.error, threaded=getattr(settings, "check_thread", True))
+
+    def drain(self) -> None:
+        """Wait for the checks' thread: vLLM is about to change what they read (aside.py)."""
+        self.aside.drain()
 
     def _new_ledger(self, scheduler) -> None:
         pool = scheduler.kv_cache_manager.block_pool
@@ -84,6 +103,8 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         name = type(scheduler).__name__
         path = (f"EngineCore.step_with_batch_queue, batch queue size {size}, {name}" if size > 1
                 else f"EngineCore.step, synchronous, {name}")
+        path += ("; checks on their own thread during the forward" if self.aside.threaded
+                 else "; checks inline on vLLM's thread")
         self.rules, reason = group_rules(scheduler)
         if self.s.record_dir and self.recorder is None:
             try:
@@ -98,6 +119,21 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
                                        path, reason))
 
     def on_schedule(self, scheduler, so, t0: float) -> None:
+        """On vLLM's thread: the step's bookkeeping, then the checks handed to their own thread."""
+        self.scheduled += 1
+        self.t_sched[id(so)] = (t0, self.scheduled)   # the batch queue overlaps outputs: keep each one's step
+        if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
+            self.t_sched.pop(next(iter(self.t_sched)))
+        if getattr(so, "total_num_scheduled_tokens", 0):
+            self.since_check += 1
+        if self.since_check >= self.s.inactive_after:
+            self.rep.inactive(sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
+                              "Scheduler.update_from_output never returned through the plugin's hook")
+        self.aside.submit("pool check", self._after_schedule, scheduler, so, self.scheduled)
+
+    def _after_schedule(self, scheduler, so, n: int) -> None:
+        """On the checks' thread, during the forward: the ledger, the recorder, provenance, progress, and
+        the pool as schedule() left it."""
         t_in = time.perf_counter()
         if self.ledger is None:
             self._new_ledger(scheduler)
@@ -112,38 +148,48 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
-        self.t_sched[id(so)] = (t0, self.ledger.steps)   # the batch queue overlaps outputs: keep each one's step
-        if len(self.t_sched) > 64:                    # outputs never returned (an engine error): bounded
-            self.t_sched.pop(next(iter(self.t_sched)))
-        if getattr(so, "total_num_scheduled_tokens", 0):
-            self.since_check += 1
-        if self.since_check >= self.s.inactive_after:
-            self.rep.inactive(sanitizer.PROBE_POOL, st.CHECK_POOL, self.since_check,
-                              "Scheduler.update_from_output never returned through the plugin's hook")
+        if n % self.s.pool_every == 0:
+            self.check(scheduler, self.last_step_s, False)
 
     def on_update(self, scheduler, so, outputs=None) -> None:
-        """outputs: what update_from_output returned (client index -> EngineCoreOutputs)."""
+        """On vLLM's thread, once update_from_output returned (the checks' thread drained before it ran).
+        outputs: what it returned (client index -> EngineCoreOutputs)."""
         t0, so_step = self.t_sched.pop(id(so), (None, None))
         if self.ledger is not None:
             self.touched |= self.ledger.done(so).touched()     # its tokens processed: windows move on
+            # requests finished inside update_from_output (or preempted by a reset) let go now: their
+            # blocks are free in the pool already, and no schedule may follow (vLLM goes idle)
+            d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
+                                   + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
+            self.touched |= d.touched()
+            self._forget(d.released)
+            if self.recorder is not None and d.released:
+                try:
+                    self.recorder.on_release(scheduler, d, self.ledger.steps)
+                except Exception as e:
+                    self.rep.error("flight recorder", e)
         now = time.perf_counter()
         step_s = None if t0 is None else now - t0
         self.step += 1
+        self.last_step_s = step_s
+        self.last_facts = self._facts(scheduler, step_s)
         self.since_check = 0
         if self.recorder is not None:
             try:
                 self.recorder.on_update(scheduler, so, so_step if so_step is not None else self.step, step_s, outputs)
             except Exception as e:
                 self.rep.error("flight recorder", e)
-        idle = not scheduler.requests
-        if idle:                                     # nobody waits: no clock of ours runs on
+        if not scheduler.requests:                   # nobody waits: no clock of ours runs on
             self.progress.clear()
             self.progress_t.clear()
-        if self.step % self.s.pool_every and not idle:
-            return
-        self.check(scheduler, step_s, idle)
-        if idle:
             self._sweep_when_idle(scheduler)
+
+    def _facts(self, scheduler, step_s) -> dict:
+        """The step message's figures of the scheduler and the pool (ints read off vLLM's objects)."""
+        running = len(scheduler.running)
+        return {"step": self.step, "t": time.time(), "step_s": step_s,
+                "num_free": scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks,
+                "running": running, "waiting": len(scheduler.requests) - running}
 
     def _forget(self, released) -> None:
         """Every per-request structure of ours goes when the ledger releases the request, on whichever
@@ -244,20 +290,20 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         deferred=step: the idle sweep of that step, dropped if vLLM has stepped since."""
         if deferred is not None and (self.step != deferred or scheduler.requests):
             return
+        with self._check_lock:
+            self._check(scheduler, step_s, idle, deferred)
+
+    def _check(self, scheduler, step_s, idle: bool, deferred: int | None) -> None:
         t0 = time.perf_counter()
+        # findings name the step whose schedule() left the state checked, as the ledger and the flight
+        # recorder number them (the idle sweep: the last one)
+        self.checked_at = self.scheduled
         kvm = scheduler.kv_cache_manager
         pool = kvm.block_pool
         blocks = pool.blocks
         n = len(blocks)
         if self.ledger is None:
             self._new_ledger(scheduler)
-        if deferred is None:                          # the idle sweep leaves the step's state alone
-            d = self.ledger.finish(list(getattr(scheduler, "finished_req_ids", ()) or ())
-                                   + list(getattr(scheduler, "reset_preempted_req_ids", ()) or ()))
-            self.touched |= d.touched()
-            self._forget(d.released)          # finished inside update_from_output: released here first
-            if self.recorder is not None and d.released:
-                self.recorder.on_release(scheduler, d, self.ledger.steps)
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         pins = self._pins(scheduler, kvm)
         every = self.s.full_every
@@ -283,7 +329,7 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
                 idx, ref, inq = (np.concatenate([idx, sl[keep]]), np.concatenate([ref, ref_sl[keep]]),
                                  np.concatenate([inq, inq_sl[keep]]))
             expected = self.ledger.counts[idx] + pin_counts(pins, idx)
-            found = sanitizer.touched_block_findings(self.step, idx, ref, inq, expected, self.ledger.last_holder,
+            found = sanitizer.touched_block_findings(self.checked_at, idx, ref, inq, expected, self.ledger.last_holder,
                                                      pins, self.ledger.optional[idx], self.ledger.who)
             if hi > lo:
                 arrays, extra = self._slice_snapshot(blocks, lo, hi, ref_sl, inq_sl, hashed_sl)
@@ -293,22 +339,25 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         else:
             self.touched.clear()
         self.check_s += time.perf_counter() - t0
-        q = pool.free_block_queue
-        running = len(scheduler.running)
+        # the step's own figures as update_from_output left them (on_update, on vLLM's thread); the idle
+        # sweep's and the first step's read now
+        facts = self.last_facts if deferred is None and self.last_facts is not None else self._facts(scheduler, step_s)
         t_send = time.perf_counter()
         self.rep.send(b"step", {
-            "step": self.step, "t": time.time(), "step_s": step_s, "check_s": self.check_s, "num_blocks": n,
-            "block_size": scheduler.block_size, "num_free": q.num_free_blocks, "running": running,
-            "waiting": len(scheduler.requests) - running, "full": full, "idle_sweep": deferred is not None,
+            **facts, "check_s": self.check_s, "num_blocks": n,
+            "block_size": scheduler.block_size, "full": full, "idle_sweep": deferred is not None,
             "hits_checked": sum(p.hits_checked for p in self.prov.values()),
             "dropped": getattr(self.rep.pub, "dropped", 0),  # messages a full send queue dropped so far
             "process": multiprocessing.current_process().name, **extra}, arrays)
         self.check_s = time.perf_counter() - t_send        # the send counts too: in the next step's figure
         if found:
             # a leak is one condition per request (the sweep and the incremental check see it from
-            # different blocks); the others per block
+            # different blocks); the others per block, and a block freed while in use (ref_cnt 0 under a
+            # reader) once more after a too-low count of it: the escalation that corrupts the next owner
             self.rep.findings(found, key=lambda f: (f["probe"], f["kind"], f["request_id"],
-                                                    None if f["kind"] == "leak" else f["page"]))
+                                                    None if f["kind"] == "leak" else f["page"],
+                                                    f["kind"] == "refcount" and f["evidence"].get("ref_cnt") == 0
+                                                    and f["evidence"].get("mapped", 0) > 0))
 
 
 def pin_counts(pins: dict, idx: np.ndarray) -> np.ndarray:

@@ -107,11 +107,33 @@ def _after(where: str, callback):
     return make
 
 
+def _draining(make):
+    """The hook `make` builds, after the checks' thread has drained: vLLM's call is about to change
+    the scheduler or the pool that the checks read (aside.py)."""
+    def wrap(orig):
+        inner = make(orig)
+
+        def hook(self, *a, outer, **kw):
+            if outer:
+                _guard("checks' thread", POOL.drain)
+            return inner(self, *a, outer=outer, **kw)
+        return hook
+    return wrap
+
+
+def _plain(orig):
+    def hook(self, *a, outer, **kw):
+        return orig(self, *a, **kw)
+    return hook
+
+
 def _engine_core() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def schedule(orig):
         def hook(self, *a, outer, **kw):
+            if outer:
+                _guard("checks' thread", POOL.drain)
             t0 = time.perf_counter()
             so = orig(self, *a, **kw)
             if outer:
@@ -121,6 +143,8 @@ def _engine_core() -> None:
 
     def update_from_output(orig):
         def hook(self, scheduler_output, *a, outer, **kw):
+            if outer:
+                _guard("checks' thread", POOL.drain)
             out = orig(self, scheduler_output, *a, **kw)
             if outer:
                 _guard("request books", REQ.on_update, self, out)
@@ -141,12 +165,14 @@ def _engine_core() -> None:
 
     _need(wrap_family(Scheduler, "schedule", schedule), "Scheduler.schedule")
     _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
-    wrap_family(Scheduler, "add_request", add_request)
-    wrap_family(Scheduler, "finish_requests", _after("request books", REQ.on_finish_requests))
+    wrap_family(Scheduler, "add_request", _draining(add_request))
+    wrap_family(Scheduler, "finish_requests", _draining(_after("request books", REQ.on_finish_requests)))
+    # the scheduler's reset may preempt every running request before it reaches the pool's
+    wrap_family(Scheduler, "reset_prefix_cache", _draining(_plain))
     # vLLM's prefix-cache reset (an RLHF weight update, a benchmark harness): every path to it (the
     # scheduler's, the KV cache manager's) ends in the block pool's, so that is the one hooked
     from vllm.v1.core.block_pool import BlockPool
-    wrap_family(BlockPool, "reset_prefix_cache", _after("prefix reset", POOL.on_prefix_reset))
+    wrap_family(BlockPool, "reset_prefix_cache", _draining(_after("prefix reset", POOL.on_prefix_reset)))
     # not EngineCore.__init__: vLLM loads plugins inside it, too late to wrap the running call
     wrap_family(Scheduler, "__init__", _after("status", lambda sched, _: POOL.on_scheduler_ready(sched)))
 

@@ -229,7 +229,9 @@ def plugin_sizes() -> dict:
     out = {"crc": len(pool.crc), "progress": len(pool.progress), "progress_t": len(pool.progress_t),
            "t_sched": len(pool.t_sched), "touched": len(pool.touched),
            "ledger_requests": len(pool.ledger.reqs) if pool.ledger is not None else 0,
-           "provenance_records": sum(len(p.rec) for p in pool.prov.values()), "prefix_resets": pool.prefix_resets}
+           "provenance_records": sum(len(p.rec) for p in pool.prov.values()), "prefix_resets": pool.prefix_resets,
+           # the checks' own thread (aside.py): jobs run there, and vLLM's thread's wait for them
+           "check_thread_jobs": pool.aside.jobs if pool.aside.threaded else 0, "check_wait_s": pool.aside.waited_s}
     req = getattr(hooks, "REQ", None)
     if req is not None:
         out["books_live"] = len(req.books.live)

@@ -125,7 +125,7 @@ class PoolSweep:
         computed = None
         if len(self.rules) == 1 and self.rules[0] is not None and self.rules[0].kind == "full":
             computed = {r: e.computed + e.scheduled for r, e in self.ledger.reqs.items()}
-        found = sanitizer.pool_findings(self.step, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
+        found = sanitizer.pool_findings(self.checked_at, ref, walk, err, prev, q.num_free_blocks, null, holders, live,
                                         index_errors(pool, has_hash), self.ledger.last_holder,
                                         scheduler.block_size, computed, self.ledger.holders(optional=True))
         owner = np.full(n, -1, dtype=np.int32)

@@ -20,6 +20,8 @@ the variable, the value and what was used instead) and the default is kept.
   PAGEDKV_VLLM_STALL_AFTER_S and for at least this many seconds (an idle engine steps fast)  default 10
   PAGEDKV_VLLM_ATTENTION     the attention check (attention_watch.py); 0 / off / false turns it
                              off: no layer's impl.forward is touched                  default on
+  PAGEDKV_VLLM_CHECK_THREAD  the engine-core checks on their own thread, overlapping vLLM's forward
+                             (aside.py); 0 / off / false runs them inline on vLLM's thread   default on
   PAGEDKV_VLLM_FAULT_FILE    a JSON file naming faults to plant (tests, notebooks; faults.py)
   PAGEDKV_RECORD             the flight recorder (recording.py), on with the plugin; 0 / off / false
                              turns it off                                             default on
@@ -45,6 +47,7 @@ ENV_SWEEP_SLICE = "PAGEDKV_VLLM_SWEEP_SLICE"
 ENV_INACTIVE_AFTER = "PAGEDKV_VLLM_INACTIVE_AFTER"
 ENV_FAULT_FILE = "PAGEDKV_VLLM_FAULT_FILE"
 ENV_ATTENTION = "PAGEDKV_VLLM_ATTENTION"
+ENV_CHECK_THREAD = "PAGEDKV_VLLM_CHECK_THREAD"
 ENV_STALL_AFTER = "PAGEDKV_VLLM_STALL_AFTER"
 ENV_STALL_AFTER_S = "PAGEDKV_VLLM_STALL_AFTER_S"
 ENV_RECORD = "PAGEDKV_RECORD"
@@ -68,6 +71,7 @@ class Settings:
     stall_after_s: int = 10
     fault_file: str | None = None
     attention: bool = True
+    check_thread: bool = True             # the engine-core checks overlap the forward (aside.py)
     record_dir: str | None = None         # None: the flight recorder is off
     record_max_mb: int = 256
     record_privacy: bool = False
@@ -128,6 +132,7 @@ def read(env=None) -> Settings:
     s.stall_after_s = _whole(env, ENV_STALL_AFTER_S, 10, s.problems, low=0)
     s.fault_file = env.get(ENV_FAULT_FILE) or None
     s.attention = str(env.get(ENV_ATTENTION, "1")).strip().lower() not in ("0", "off", "false", "no")
+    s.check_thread = str(env.get(ENV_CHECK_THREAD, "1")).strip().lower() not in ("0", "off", "false", "no")
     if str(env.get(ENV_RECORD, "1")).strip().lower() not in ("0", "off", "false", "no"):
         cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         s.record_dir = env.get(ENV_RECORD_DIR) or os.path.join(cache, "pagedkv-workbench", "recordings")
