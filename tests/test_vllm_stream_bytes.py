@@ -49,10 +49,11 @@ def test_a_stalled_listener_costs_bounded_bytes_and_drops_are_counted():
                 got.append(decode(sub.recv_multipart()))
         assert any(k == "finding" for k, _, _ in got)
         assert all(len(h) < SMALL for k, h, _ in got if k == "finding")
-        # what was dropped is the oldest backlog: the newest snapshot arrives, the middle of the run
-        # does not (the first few had left before the pipes filled)
+        # what was dropped is the oldest backlog: the two newest snapshots (the bulk queue's two places)
+        # always arrive, and only the few that left before the pipes filled besides them. How many left
+        # early depends on how fast this host's sender thread ran, so that is not asserted
         steps = sorted(h["step"] for k, h, _ in got if k == "step")
-        assert 59 in steps and not any(20 <= x < 50 for x in steps), steps
+        assert steps[-2:] == [58, 59] and len(steps) <= 60 - 40, steps
         assert wait_until(lambda: pub.sent + pub.dropped == len(hellos) + 60 + 1, timeout=5)   # nothing unaccounted
     finally:
         pub.close()
