@@ -235,7 +235,9 @@ def test_engine_kernels_read_back_what_runs(reference, tiny_llama_dir):
         ks.attention = "torch"
     assert isinstance(eng.attn, CpuPagedAttention) and eng.attn.kernel is native.kernel()
     assert ks.attention.startswith("cpu (compiled") and str(kernels.ATTENTION.entry()) in ks.attention_why
-    assert ks.linear == eng.model.linear_backend and ks.linear.startswith("skinny")
+    from workbench.engine import skinny_gemm
+    assert ks.linear == eng.model.linear_backend
+    assert ks.linear.startswith("skinny") == (skinny_gemm.for_linears() is not None), ks.linear
     assert ks.pool_ops == eng.pool._ops.name == pool_ops.active().name == "compiled"
     assert ks.bf16 == "off"
     # the config's switch: torch attention, and the selection says so

@@ -356,6 +356,53 @@ def test_watchdog_names_the_lock_holder_of_a_stalled_step(tiny_llama_dir):
     assert any(k.startswith("engine ") and "acquire" in v for k, v in f.evidence["stacks"].items())
 
 
+def test_the_watchdog_of_an_idle_engine_ignores_another_engines_step_on_the_same_thread(tiny_llama_dir):
+    """One thread drives two engines (the lock_storm notebook: the global-lock engine, then the sharded
+    one). Engine A went idle after its last step; later the same thread sits in engine B's step, stalled
+    on B's lock. A's watchdog must stay silent (on a slow host that came 60 s after A's last step start
+    and was reported as A's step stalled on B's lock); B's watchdog names B's stall."""
+    a, b = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
+    a.generate(PROMPTS[:1], SamplingParams(max_tokens=1, ignore_eos=True))      # warm-up
+    dog_a, dog_b = Watchdog(a, deadline_s=0.3).start(), Watchdog(b, deadline_s=0.3).start()
+    b.add_request(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+    box = {}
+
+    def one_thread_two_engines():
+        try:
+            a.generate(PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True))   # A's last step, then idle
+            box["out"] = b.step()                                                  # stalls on B's lock
+        except BaseException as e:       # noqa: BLE001 - surfaced by the test
+            box["err"] = e
+    b.lock.acquire()
+    try:
+        t = threading.Thread(target=one_thread_two_engines, name="driver", daemon=True)
+        t.start()
+        assert _until(lambda: dog_b.findings)
+        assert a.step_thread_id == t.ident                # A's heartbeat names the thread now in B's step
+        time.sleep(0.6)                  # A's watchdog polls past its deadline all the while
+    finally:
+        b.lock.release()
+    t.join(BOUND_S)
+    dog_a.stop()
+    dog_b.stop()
+    assert not t.is_alive() and "err" not in box
+    [f] = dog_b.findings
+    assert f.kind == "step-stalled" and f.lock == "page_table" and "'driver'" in f.message
+    assert dog_a.findings == []
+    # and a thread that was in A's step before is judged by A's frames, not by B's: A still catches its own
+    a.add_request(PROMPTS[2], SamplingParams(max_tokens=2, ignore_eos=True))
+    dog_a = Watchdog(a, deadline_s=0.3).start()
+    a.lock.acquire()
+    try:
+        t, box = _step_in_thread(a)
+        assert _until(lambda: dog_a.findings)
+    finally:
+        a.lock.release()
+    t.join(BOUND_S)
+    dog_a.stop()
+    assert [f.kind for f in dog_a.findings] == ["step-stalled"]
+
+
 def test_lock_inversion_hangs_the_step_and_the_watchdog_names_the_cycle(tiny_llama_dir):
     eng = _engine(tiny_llama_dir)
     probe = LockContentionProbe(deadline_s=0.5).attach(eng)

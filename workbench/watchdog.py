@@ -38,11 +38,13 @@ def _where(ident: int | None) -> str:
     return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}" if f else "?"
 
 
-def _in_step(ident: int) -> bool:
-    """Is thread `ident` inside Engine.step right now (also when step is wrapped)?"""
+def _in_step(ident: int, engine) -> bool:
+    """Is thread `ident` inside `engine`'s Engine.step right now (also when step is wrapped)? Another
+    engine's step on the same thread is not this one's: a notebook that drives two engines from one
+    thread leaves the first one's last step start behind while the second one steps."""
     f = sys._current_frames().get(ident)
     while f is not None:
-        if f.f_code is _STEP_CODE:
+        if f.f_code is _STEP_CODE and f.f_locals.get("self") is engine:
             return True
         f = f.f_back
     return False
@@ -114,7 +116,7 @@ class Watchdog:
         if ident is None or step != eng.step_count or step in self._reported:
             return None
         elapsed = (time.perf_counter_ns() - started) / 1e9
-        if elapsed <= self.deadline_s or not _in_step(ident):
+        if elapsed <= self.deadline_s or not _in_step(ident, eng):
             return None
         self._reported.add(step)
         f = self.diagnose(step, ident, elapsed)

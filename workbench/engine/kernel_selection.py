@@ -88,7 +88,13 @@ def _linear(config, device: torch.device, backend: str, applied: dict) -> tuple[
     if device.type != "cpu":
         return backend, f"{device.type}: torch's GEMMs"
     why = SKINNY_GEMM.why()
-    return backend, f"skinny GEMM unavailable: {why}" if why else "the skinny GEMM did not agree with F.linear here"
+    if why:
+        return backend, f"skinny GEMM unavailable: {why}"
+    k = SKINNY_GEMM.get()
+    vec = trials.skinny_vectorised(k) if k is not None else None
+    if vec is not None and not vec.ok:
+        return backend, "skinny GEMM not used: a build of its portable loops only, slower than oneDNN here"
+    return backend, "the skinny GEMM did not agree with F.linear here"
 
 
 def _pool(config, pool_impl, seq_impl, applied: dict) -> tuple[str, str]:

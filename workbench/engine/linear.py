@@ -83,7 +83,8 @@ class Linear:
         x = torch.randn(3, self.in_features, dtype=self.compute_dtype, device=self.device)
         ref = F.linear(x, weight.to(self.compute_dtype), self.bias)
         native_bf16 = self.device.type == "cpu" and self.compute_dtype == self.dtype == torch.bfloat16
-        k = (skinny_gemm.kernel() if self.device.type == "cpu" and backend != "torch"
+        # not a build of the portable loops only (an AVX2 CPU): oneDNN is faster than those
+        k = (skinny_gemm.for_linears() if self.device.type == "cpu" and backend != "torch"
              and (self.compute_dtype == torch.float32 or native_bf16) else None)
         self.pairs = False       # native bf16: the skinny layout is gemm_bf's bf16 pairs [nb, in/2, 16, 2]
         if native_bf16:

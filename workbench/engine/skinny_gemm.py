@@ -24,3 +24,11 @@ def bf16_pairs() -> bool:
     this also covers PAGEDKV_BF16=native forced on a CPU without it), and gemm_bf passed its trial."""
     k = kernel()
     return bool(k is not None and trials.bf16_pairs(k).ok and cpu_bf16.hardware_native())
+
+
+def for_linears():
+    """The module where the linears may route decode sizes to it: loaded, and built with its AVX-512
+    kernels (trials.skinny_vectorised: a build of the portable loops alone, as on an AVX2-only CPU, is
+    right but slower than oneDNN there). None otherwise."""
+    k = kernel()
+    return k if k is not None and trials.skinny_vectorised(k).ok else None

@@ -7,6 +7,7 @@ process on a few rows and compared with a plain reference (float64 torch, or the
 
     oneDNN linear (float32 / bfloat16)   plain and prepacked weights, the silu and binary epilogues
     skinny GEMM                          float32 and bf16-stored weights (loader trial, below)
+    skinny GEMM at decode sizes          its AVX-512 kernels built (the portable loops are not used)
     skinny GEMM bf16 pairs               gemm_bf (vdpbf16ps)
     compiled attention                   paged decode (float32 and bf16 pages), causal prefill, RMSNorm, absmax
     compiled prefill bf16 dots           paged_prefill's bf16 pairs
@@ -50,6 +51,10 @@ class Mismatch(RuntimeError):
     """A path ran but its result is not the reference's."""
 
 
+class Unfit(RuntimeError):
+    """A path that runs right but is not worth running on this CPU (its reason says why)."""
+
+
 def attempt(path: str, fallback: str, fn, needs: tuple[str, ...] = ()) -> Trial:
     """Try `fn()` once per process (it raises on failure); `needs`: features of which the CPU must
     have one, checked where PAGEDKV_CPU_FEATURES fakes the CPU (a real CPU is judged by the run)."""
@@ -72,6 +77,8 @@ def run(path: str, fallback: str, fn, needs: tuple[str, ...] = ()) -> Trial:
         fn()
     except Exception as e:            # a missing primitive, a wrong result, an unbuilt kernel
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if isinstance(e, Unfit):
+            return Trial(path, False, msg[:300], fallback)
         kind = "gave a wrong result" if isinstance(e, Mismatch) else f"raised {type(e).__name__}"
         return Trial(path, False, f"{kind} on a tiny input: {msg[:300]}", fallback)
     return Trial(path, True)
@@ -139,6 +146,20 @@ def skinny_gemm(mod) -> None:
         x, w, b, ref = _case(3, 40, 33, dtype)
         got = mod.gemm(x.float(), mod.pack(w.contiguous()), 33, b.float(), 1, None, 0)
         close(got, F.silu(ref), 1e-4, f"gemm (silu epilogue), {dtype} weights")
+
+
+def _vectorised(mod) -> None:
+    if not mod.vectorised():
+        raise Unfit("the build has only the portable loops (compiled for a CPU without AVX-512): on "
+                           "SmolLM2's decode they ran 7-25x slower than oneDNN (the GGUF's blocks re-widened "
+                           "every call)")
+
+
+def skinny_vectorised(mod) -> Trial:
+    """The skinny GEMM at decode sizes: only with its AVX-512 kernels. Its portable loops are right
+    (the loader's trial) but far slower than oneDNN, so the linears do not route to them."""
+    return attempt("skinny GEMM at decode sizes", "oneDNN / F.linear at every size (a GGUF's blocks widened "
+                   "to float32 at load)", lambda: _vectorised(mod))
 
 
 def _pairs(mod) -> None:
