@@ -90,9 +90,8 @@ def _linear(config, device: torch.device, backend: str, applied: dict) -> tuple[
     why = SKINNY_GEMM.why()
     if why:
         return backend, f"skinny GEMM unavailable: {why}"
-    k = SKINNY_GEMM.get()
-    vec = trials.skinny_vectorised(k) if k is not None else None
-    if vec is not None and not vec.ok:
+    from . import skinny_gemm
+    if skinny_gemm.for_linears() is None:                 # loaded, but only its portable loops
         return backend, "skinny GEMM not used: a build of its portable loops only, slower than oneDNN here"
     return backend, "the skinny GEMM did not agree with F.linear here"
 

@@ -66,8 +66,7 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         self.cursor = 0                               # the next block the rotating slice check reads
         self.prefix_resets = 0                        # vLLM's prefix-cache resets seen (on_prefix_reset)
         self.scheduled = 0                            # schedule calls seen (the ledger's steps, counted on vLLM's thread)
-        self.last_step_s = None                       # the last finished step's schedule -> update time
-        self.last_facts: dict | None = None           # its figures for the step message (_facts)
+        self.last_facts: dict | None = None           # the last finished step's figures for its message (_facts)
         self.checked_at = 0                           # the step the running check names in its findings
         self._check_lock = threading.Lock()           # the step's check and the idle sweep: one at a time
         self.aside = Aside(rep.error, threaded=getattr(settings, "check_thread", True))
@@ -140,16 +139,13 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
         d = self.ledger.apply(so)
         self.touched |= d.touched()
         if self.recorder is not None:
-            try:
-                self.recorder.on_schedule(scheduler, so, d, self.ledger.steps)
-            except Exception as e:
-                self.rep.error("flight recorder", e)
+            self._record("on_schedule", scheduler, so, d, self.ledger.steps)
         self._forget(d.released)
         self._provenance(scheduler, so, d.added)
         self._progress(scheduler, so)
         self.check_s += time.perf_counter() - t_in     # the ledger and provenance count as the check's cost
         if n % self.s.pool_every == 0:
-            self.check(scheduler, self.last_step_s, False)
+            self.check(scheduler, None, False)            # the step's duration is in last_facts
 
     def on_update(self, scheduler, so, outputs=None) -> None:
         """On vLLM's thread, once update_from_output returned (the checks' thread drained before it ran).
@@ -164,25 +160,25 @@ class PoolWatch(ProvenanceCheck, PoolSweep):
             self.touched |= d.touched()
             self._forget(d.released)
             if self.recorder is not None and d.released:
-                try:
-                    self.recorder.on_release(scheduler, d, self.ledger.steps)
-                except Exception as e:
-                    self.rep.error("flight recorder", e)
+                self._record("on_release", scheduler, d, self.ledger.steps)
         now = time.perf_counter()
         step_s = None if t0 is None else now - t0
         self.step += 1
-        self.last_step_s = step_s
         self.last_facts = self._facts(scheduler, step_s)
         self.since_check = 0
         if self.recorder is not None:
-            try:
-                self.recorder.on_update(scheduler, so, so_step if so_step is not None else self.step, step_s, outputs)
-            except Exception as e:
-                self.rep.error("flight recorder", e)
+            self._record("on_update", scheduler, so, so_step if so_step is not None else self.step, step_s, outputs)
         if not scheduler.requests:                   # nobody waits: no clock of ours runs on
             self.progress.clear()
             self.progress_t.clear()
             self._sweep_when_idle(scheduler)
+
+    def _record(self, method: str, *args) -> None:
+        """A flight recorder call: its failure is one log line, never the checks'."""
+        try:
+            getattr(self.recorder, method)(*args)
+        except Exception as e:
+            self.rep.error("flight recorder", e)
 
     def _facts(self, scheduler, step_s) -> dict:
         """The step message's figures of the scheduler and the pool (ints read off vLLM's objects)."""

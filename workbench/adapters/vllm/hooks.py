@@ -132,8 +132,6 @@ def _engine_core() -> None:
 
     def schedule(orig):
         def hook(self, *a, outer, **kw):
-            if outer:
-                _guard("checks' thread", POOL.drain)
             t0 = time.perf_counter()
             so = orig(self, *a, **kw)
             if outer:
@@ -143,8 +141,6 @@ def _engine_core() -> None:
 
     def update_from_output(orig):
         def hook(self, scheduler_output, *a, outer, **kw):
-            if outer:
-                _guard("checks' thread", POOL.drain)
             out = orig(self, scheduler_output, *a, **kw)
             if outer:
                 _guard("request books", REQ.on_update, self, out)
@@ -163,8 +159,9 @@ def _engine_core() -> None:
             return out
         return hook
 
-    _need(wrap_family(Scheduler, "schedule", schedule), "Scheduler.schedule")
-    _need(wrap_family(Scheduler, "update_from_output", update_from_output), "Scheduler.update_from_output")
+    _need(wrap_family(Scheduler, "schedule", _draining(schedule)), "Scheduler.schedule")
+    _need(wrap_family(Scheduler, "update_from_output", _draining(update_from_output)),
+          "Scheduler.update_from_output")
     wrap_family(Scheduler, "add_request", _draining(add_request))
     wrap_family(Scheduler, "finish_requests", _draining(_after("request books", REQ.on_finish_requests)))
     # the scheduler's reset may preempt every running request before it reaches the pool's

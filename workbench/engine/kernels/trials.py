@@ -151,8 +151,8 @@ def skinny_gemm(mod) -> None:
 def _vectorised(mod) -> None:
     if not mod.vectorised():
         raise Unfit("the build has only the portable loops (compiled for a CPU without AVX-512): on "
-                           "SmolLM2's decode they ran 7-25x slower than oneDNN (the GGUF's blocks re-widened "
-                           "every call)")
+                    "SmolLM2's decode they ran 7-25x slower than oneDNN (the GGUF's blocks re-widened "
+                    "every call)")
 
 
 def skinny_vectorised(mod) -> Trial:
