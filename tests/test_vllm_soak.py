@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason=f"no vLLM environment at {vllm_python()} (make vllm installs it)")
 
 SAMPLER = r'''
-import glob, json, os, signal, threading, time
+import glob, json, os, signal, sys, threading, time
 def sampler():
     from workbench.adapters.vllm.inproc import plugin_sizes
     d = os.environ["PAGEDKV_RECORD_DIR"]
@@ -38,7 +38,10 @@ def sampler():
     t0, last_burst = time.time(), 0.0
     while True:
         rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        print("SAMPLE " + json.dumps({"t": round(time.time() - t0, 2), "rss": rss, **plugin_sizes()}), flush=True)
+        # one write, newline included: print() writes the newline apart, and the driver's RESULT line
+        # written between the two by the main thread would not start a line (CI saw it lost)
+        sys.stdout.write("SAMPLE " + json.dumps({"t": round(time.time() - t0, 2), "rss": rss, **plugin_sizes()}) + "\n")
+        sys.stdout.flush()
         if time.time() - last_burst > 1.5:
             last_burst = time.time()
             for _ in range(40):

@@ -59,3 +59,17 @@ def test_pagedkv_vllm_zygote_0_runs_a_fresh_python(monkeypatch):
     assert driver._zygote(dict(os.environ)) is None
     r = driver._run("import sys\nprint('fresh', sys.argv[1:])", ("a",), dict(os.environ), 120)
     assert r.returncode == 0 and r.stdout.strip() == "fresh ['a']"
+
+
+def test_a_result_line_is_found_behind_another_threads_unfinished_line(zygote):
+    # what CI saw in the soak: a sampler thread's print() wrote its text, the driver's RESULT line went
+    # out, and then the sampler's newline: the RESULT did not start a line and the run read as no result
+    code = ("import json, sys\n"
+            "sys.stdout.write('SAMPLE {\"t\": 1}')\n"
+            "sys.stdout.write('RESULT ' + json.dumps({'steps': 7, 'note': 'a } in a string'}) + '\\n')\n"
+            "sys.stdout.write('\\nSAMPLE {\"t\": 2}\\n')\n")
+    p = zygote.run(code, [], dict(os.environ), 60)
+    assert p.returncode == 0
+    assert not any(ln.startswith("RESULT ") for ln in p.stdout.splitlines())     # the line as CI had it
+    assert driver.result_of(p.stdout) == {"steps": 7, "note": "a } in a string"}
+    assert driver.result_of("no result\n") is None

@@ -137,8 +137,7 @@ def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool 
     try:
         p = _run(code, args, e, timeout_s)
         time.sleep(0.3)                                  # the last messages in flight
-        res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        result = json.loads(res[-1][7:]) if res else None
+        result = result_of(p.stdout)
         if lis is None:
             return Run(p.returncode, result, p.stdout + p.stderr, [], {}, {}, [], [])
         with lis.lock:
@@ -148,6 +147,18 @@ def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool 
     finally:
         if lis is not None:
             lis.close()
+
+
+def result_of(stdout: str) -> dict | None:
+    """The driver's last RESULT object in a run's stdout, or None. Found where it starts in a line, not
+    only at its start: a thread of the run (vLLM's logging, a test's sampler) may have left a line
+    unfinished when the driver wrote it."""
+    found = None
+    for ln in stdout.splitlines():
+        at = ln.find("RESULT {")
+        if at >= 0:
+            found, _ = json.JSONDecoder().raw_decode(ln, at + 7)
+    return found
 
 
 def fault_file(tmp: Path, *names: str) -> str:
