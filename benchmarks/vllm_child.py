@@ -5,7 +5,6 @@ Used by vllm_engine_core_cost.py and vllm_step_stalls.py (each runs itself with 
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -43,5 +42,6 @@ def run_child(script: str, args: list[str], blocks: int, plugin: bool = True, ex
     finally:
         if lis is not None:
             lis.close()
-    res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(res[-1][7:]) if res else p.stderr[-1500:]
+    from workbench.adapters.vllm.driver import result_of
+    res = result_of(p.stdout)
+    return res if res is not None else p.stderr[-1500:]
