@@ -32,6 +32,12 @@ every (layer, kind) pair within 3L. Prefill rows: up to `max_rows` query rows (t
 last, evenly between, the ones between shifting from check to check); the write check covers all
 of the request's rows this step.
 
+Cost: the check runs right after the layer's attention, when the caches hold the forward's weights,
+not the check's few kilobytes, and each small torch op pays a cold dispatch (~10 us there, ~2 us
+warm). So a clean check is computed in numpy (check_math.py: the same formulas, ~3.5x cheaper cold
+on a decode row) and the torch code below runs only when an error passes its tolerance (or is NaN):
+it recomputes that check and writes the finding with its explanations.
+
 Tolerances (max |got - want| / max |want|) are the shadow's "same inputs" ones by the coarsest
 dtype (fp32 1e-4, fp16 5e-3, bf16 3e-2), 10x that for the rope check (ROPE_MARGIN). The first
 failing comparison gives one error per (kind, request, layer), naming the request, layer, heads,
@@ -51,6 +57,7 @@ from workbench.engine import instrumentation
 from workbench.engine.taps import ModelTap
 from workbench.probe import Probe
 
+from . import attention_numpy as fast
 from .attention_math import attend as _attend
 from .attention_math import causal, explain_read, sample_rows
 from .attention_math import picture as _picture_of
@@ -169,15 +176,15 @@ class AttentionCheckProbe(Probe):
             m = self.engine.model
             p["h"] = F.embedding(batch.input_ids.index_select(0, p["abs_rows"]), m.embed).to(m.dtype)
         # views, not copies: the layer's q / k / v buffers live, unchanged, until its attention output
-        p["k"], p["v"] = k[a:b], v[a:b]
-        p["q"] = q[1].index_select(0, p["abs_rows"]).float() if q is not None and q[0] == layer else None
+        p["k"], p["v"] = fast.view(k[a:b]), fast.view(v[a:b])
+        p["q"] = (fast.rows(q[1], p["rows_np"], p["abs_rows"]) if q is not None and q[0] == layer else None)
 
     def _on_out(self, layer, o, batch) -> None:
         p = self._plan
         if p is None or layer != p["layer"]:
             return
         self._plan = None
-        p["o"] = o.index_select(0, p["abs_rows"]).float()
+        p["o"] = fast.rows(o, p["rows_np"], p["abs_rows"])
         self._check(p)
 
     # ---- which row, which layer ------------------------------------------------------------
@@ -210,7 +217,7 @@ class AttentionCheckProbe(Probe):
         dev = batch.input_ids.device
         return {"seq": s, "batch": batch, "index": i, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens,
                 "kind": kind,
-                "layer": f % nl, "sel": torch.from_numpy(sel).to(dev),
+                "layer": f % nl, "sel": torch.from_numpy(sel).to(dev), "sel_np": sel, "rows_np": sel + int(starts[i]),
                 "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
 
     def _rows(self, n: int, f: int) -> np.ndarray:
@@ -222,12 +229,59 @@ class AttentionCheckProbe(Probe):
     @torch.no_grad()
     def _check(self, p) -> None:
         t0 = time.perf_counter()
+        tol = self.tolerance()
+        errs, found = self._clean_errors(p, tol), None
+        if errs is None:                 # an error over its tolerance (or NaN): torch recomputes and explains it
+            errs, found = self._check_torch(p, tol)
+        dt = time.perf_counter() - t0
+        self.checks += 1
+        self.rows.append({"step": p["step"], "request_id": p["seq"].request_id, "layer": p["layer"],
+                          "kind": p["kind"], "ctx": p["start"] + p["n"], "rows": len(p["sel_np"]),
+                          "err_write": errs["write"], "err_rope": errs.get("rope"), "err_read": errs.get("read"),
+                          "tolerance": tol, "tolerance_rope": tol * ROPE_MARGIN, "bad": found, "us": dt * 1e6})
+        if len(self.rows) > self.max_history:           # a probe must not become the leak it hunts
+            del self.rows[: len(self.rows) // 2]
+
+    def _clean_errors(self, p, tol) -> dict | None:
+        """The three errors in numpy (attention_numpy.py), or None when one is over its tolerance or NaN."""
         eng = self.engine
+        m, cfg, kv = eng.model, eng.model.cfg, eng.kv
+        seq, start, n, L = p["seq"], p["start"], p["n"], p["layer"]
+        ctx, hd = start + n, cfg.head_dim
+        npg = -(-ctx // kv.page_size)
+        ks, vs = fast.stored(kv.k[L], seq.pages[:npg], ctx), fast.stored(kv.v[L], seq.pages[:npg], ctx)
+        errs = {"write": max(fast.rel(ks[start:], p["k"]), fast.rel(vs[start:], p["v"]))}
+        if not errs["write"] <= tol:
+            return None
+        pos = p["sel_np"] + start
+        if p.get("h") is not None:
+            Ly = m.layers[L]
+            qkv = fast.view(Ly.qkv(fast.rms_norm(p["h"], Ly.norm_attn, cfg.rms_norm_eps)))
+            q_raw = qkv[:, : m.q_size].reshape(len(pos), cfg.num_heads, hd)
+            k_raw = qkv[:, m.q_size: m.q_size + m.kv_size].reshape(len(pos), cfg.num_kv_heads, hd)
+            k_sel = p["k"][p["sel_np"]]
+            eq = fast.rel(p["q"], fast.rope_at(q_raw, pos, cfg.rope_theta)) if p["q"] is not None else 0.0
+            errs["rope"] = max(eq, fast.rel(k_sel, fast.rope_at(k_raw, pos, cfg.rope_theta)))
+            if not errs["rope"] <= tol * ROPE_MARGIN:
+                return None
+        if p["q"] is not None:
+            kr, vr = (ks, vs) if start else (p["k"], p["v"])     # a whole prompt attends to what it computed
+            errs["read"] = fast.rel(p["o"], fast.attend(p["q"], kr, vr, pos, hd ** -0.5))
+            if not errs["read"] <= tol:
+                return None
+        return errs
+
+    def _check_torch(self, p, tol) -> tuple[dict, str | None]:
+        """The check in torch, with its findings: run when the numpy errors say something is wrong."""
+        eng = self.engine
+        dev = eng.kv.k[p["layer"]].device
+        for key in ("k", "v", "q", "o"):
+            if isinstance(p.get(key), np.ndarray):
+                p[key] = torch.from_numpy(p[key]).to(dev)
         m, cfg, kv = eng.model, eng.model.cfg, eng.kv
         seq, start, n, L = p["seq"], p["start"], p["n"], p["layer"]
         ctx, ps = start + n, kv.page_size
         hd = cfg.head_dim
-        tol = self.tolerance()
         pages = torch.tensor(seq.pages[: -(-ctx // ps)], dtype=torch.long, device=kv.k[L].device)
         ks, vs = self._stored(kv.k[L], pages, ctx), self._stored(kv.v[L], pages, ctx)
         sel, pos = p["sel"], p["sel"] + start
@@ -258,14 +312,7 @@ class AttentionCheckProbe(Probe):
             errs["read"] = float(err.max())
             if found is None and errs["read"] > tol:
                 found = self._report_read(p, err, want, kr, vr, pages, tol)
-        dt = time.perf_counter() - t0
-        self.checks += 1
-        self.rows.append({"step": p["step"], "request_id": seq.request_id, "layer": L, "kind": p["kind"],
-                          "ctx": ctx, "rows": len(sel), "err_write": errs["write"], "err_rope": errs.get("rope"),
-                          "err_read": errs.get("read"), "tolerance": tol,
-                          "tolerance_rope": tol * ROPE_MARGIN, "bad": found, "us": dt * 1e6})
-        if len(self.rows) > self.max_history:           # a probe must not become the leak it hunts
-            del self.rows[: len(self.rows) // 2]
+        return errs, found
 
     def _stored(self, cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:
         return stored_kv(cache, pages, ctx)

@@ -89,3 +89,48 @@ def test_the_event_log_module_imports_on_its_own():
                        "assert not hasattr(ev, 'EventLog')"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_not(engine):
+    # a forward of <= DEFER_ROWS rows emits its KVWritten / AttentionRead rows after its last layer
+    # (one reduction over every layer's K and V); a bigger one at each layer. Either way each row
+    # is its layer's, measured on the K / V the layer handed to the store, stamped when it ran.
+    import torch
+
+    from workbench.engine import instrumentation
+    from workbench.engine.taps import ModelTap
+    from workbench.events import AttentionRead, KVWritten
+
+    class Truth(ModelTap):
+        needs = frozenset({"kv"})
+
+        def __init__(self):
+            self.seen = []
+
+        def on_kv(self, layer, k, v, batch):
+            self.seen.append((layer, k.shape[0], float(k.abs().max()), float(v.abs().max())))
+
+    got: list = []
+    engine.bus.subscribe([KVWritten, AttentionRead], got.append)
+    tap = Truth()
+    instrumentation.add_tap(engine, tap)
+    n_big = instrumentation.DEFER_ROWS + 30
+    engine.generate([[7, 8, 9] * (n_big // 3 + 1), [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
+    instrumentation.remove_tap(engine, tap)
+    L = engine.model_config.num_layers
+    kv = [e for e in got if isinstance(e, KVWritten)]
+    reads = [e for e in got if isinstance(e, AttentionRead)]
+    assert len(kv) == len(tap.seen) == len(reads) and len(kv) % L == 0 and len(kv) >= 4 * L
+    assert any(n > instrumentation.DEFER_ROWS for _, n, _, _ in tap.seen)          # both kinds of forward ran
+    assert any(n <= instrumentation.DEFER_ROWS for _, n, _, _ in tap.seen)
+    for e, (layer, n, km, vm) in zip(kv, tap.seen):
+        assert (e.layer, e.num_tokens) == (layer, n)
+        assert torch.isclose(torch.tensor(e.k_absmax), torch.tensor(km)) and \
+            torch.isclose(torch.tensor(e.v_absmax), torch.tensor(vm))
+    assert [e.layer for e in reads] == [e.layer for e in kv]
+    for f in range(len(kv) // L):                                                     # per forward
+        fwd = kv[f * L:(f + 1) * L]
+        assert [e.layer for e in fwd] == list(range(L)) and all(a.t_ns <= b.t_ns for a, b in zip(fwd, fwd[1:]))
+    # interleaved as they ran: each layer's KVWritten before its AttentionRead
+    order = [(type(e).__name__, e.layer) for e in got]
+    assert order[:2] == [("KVWritten", 0), ("AttentionRead", 0)]

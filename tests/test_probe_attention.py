@@ -176,6 +176,37 @@ def test_clean_runs_are_silent_under_every_seed(sharp_llama_dir):
         assert (df["err_rope"] <= df["tolerance_rope"]).all()
 
 
+def test_the_numpy_clean_path_computes_the_torch_checks_errors(sharp_llama_dir, monkeypatch):
+    # every check computed both ways on the same inputs: the numpy errors (what a clean check records)
+    # are the torch check's within float32 rounding, and on a clean run the torch check never runs
+    from probes.attention_check import AttentionCheckProbe
+    pairs, torch_runs = [], []
+    clean, full = AttentionCheckProbe._clean_errors, AttentionCheckProbe._check_torch
+
+    def both(self, p, tol):
+        q = dict(p)
+        got = clean(self, p, tol)
+        pairs.append((got, full(self, q, tol)[0]))
+        return got
+
+    def counted(self, p, tol):
+        torch_runs.append(p["step"])
+        return full(self, p, tol)
+    monkeypatch.setattr(AttentionCheckProbe, "_clean_errors", both)
+    monkeypatch.setattr(AttentionCheckProbe, "_check_torch", counted)
+    eng = engine(sharp_llama_dir)
+    wb, probe = watched(eng, 3)
+    workload(eng, 3)
+    assert not wb.findings_at_least("warn") and not torch_runs and len(pairs) == probe.checks > 20
+    kinds = set()
+    for got, want in pairs:
+        assert got is not None and set(got) == set(want)
+        for k in got:
+            assert abs(got[k] - want[k]) <= 1e-6 + 1e-3 * abs(want[k]), (k, got, want)
+        kinds |= set(got)
+    assert kinds == {"write", "rope", "read"}
+
+
 @pytest.mark.parametrize("bug", BUGS, ids=lambda b: b.__name__)
 def test_each_math_bug_is_caught_within_64_steps_under_every_seed(sharp_llama_dir, bug):
     clean = {}
@@ -231,7 +262,7 @@ def test_smollm2_clean_then_a_gqa_slip_named(smollm2_path, monkeypatch):
 def test_a_probe_bug_never_reaches_the_engine(sharp_llama_dir, monkeypatch):
     eng = engine(sharp_llama_dir)
     wb, probe = watched(eng, 0)
-    monkeypatch.setattr(probe, "_stored", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(probe, "_clean_errors", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     out = workload(eng, 0)
     assert all(o is not None for o in out)
     assert [f.kind for f in probe.findings] == ["probe-error"] and "boom" in probe.findings[0].message

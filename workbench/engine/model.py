@@ -213,6 +213,8 @@ class LlamaModel:
             h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
             if hooks is not None:
                 hooks.on_hidden(i, h, batch)
+        if hooks is not None:
+            hooks.end_forward(batch)
         if not pruned:
             h = h.index_select(0, rows)
         return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps)).float()
