@@ -83,11 +83,14 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, scale: 
     ctx, hkv = k.shape[:2]
     g = hq // hkv
     qg = q.reshape(r, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * r, d)
-    s = np.matmul(qg, k.transpose(1, 2, 0)) * np.float32(scale)                 # [Hkv, G*r, ctx]
+    # per KV head contiguous [ctx, D]: numpy's matmul hands such slices to BLAS; strided ones (a whole
+    # prompt's K is a view into the layer's q|k|v rows) go to its plain loops, ~100x slower at 400 keys
+    k, v = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
+    s = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)                 # [Hkv, G*r, ctx]
     if int(pos.min()) < ctx - 1:                     # a row before the last key (not a decode row): mask
         masked = np.arange(ctx)[None, :] > pos[:, None]                         # [r, ctx]
         s[:, np.tile(masked, (g, 1))] = -np.inf
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    o = np.matmul(s, v.transpose(1, 0, 2))                                      # [Hkv, G*r, Dv]
+    o = np.matmul(s, v)                                                         # [Hkv, G*r, Dv]
     return o.reshape(hkv, g, r, -1).transpose(2, 0, 1, 3).reshape(r, hq, -1)

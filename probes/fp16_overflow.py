@@ -166,8 +166,8 @@ class FP16OverflowProbe(Probe):
                 self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), self.engine.model.embed)
         if self._stash:
             self._tk[layer], self._tv[layer] = k, v
-        else:
-            self._tk[layer], self._tv[layer] = row_absmax(k), row_absmax(v)
+        else:                            # K and V in one pass over the layer's q|k|v rows
+            self._tk[layer], self._tv[layer] = rows_absmax([k, v])
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)

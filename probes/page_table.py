@@ -358,8 +358,10 @@ class PageTableProbe(Probe):
             report("critical", f"request {s.request_id}: its page table holds page {p}, outside the pool [0, {n})",
                    hint=HINT_RANGE, kind="page-out-of-range", dedup=("page-out-of-range", s.request_id, p),
                    step=step, request_id=s.request_id, page=p, evidence={"num_pages": n})
-        # Mapped but free.
-        mapped_free = [k for k in np.nonzero(inside)[0] if pool.is_free(int(pages[k]))]
+        # Mapped but free (the pool's per-page free flags, read as an array: no call per mapped page).
+        free_flag = np.frombuffer(pool.free_queue().is_free, dtype=np.int8)
+        at = np.nonzero(inside)[0]
+        mapped_free = at[free_flag[pages[at]] == 1].tolist()
         for k in mapped_free[:MAX_PER_CHECK]:
             s = live[owner[k]]
             j = int(k - np.searchsorted(owner, owner[k]))

@@ -92,9 +92,9 @@ class ModelHooks:
         if bus.wants(KVWritten):
             if self._deferred is not None:          # measured after the last layer (end_forward)
                 self._deferred.append((KVWritten, (self.engine.step_count, now_ns(), layer, k, v, int(k.shape[0]))))
-            else:                                   # the event object only for who takes objects
-                bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, native.absmax(k),
-                                         native.absmax(v), int(k.shape[0])))
+            else:           # K and V in one pass (rows_absmax); the event object only for who takes objects
+                k_max, v_max = native.rows_absmax([k, v]).amax(1).tolist()
+                bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)

@@ -223,9 +223,14 @@ def _helpers(mod) -> None:
     want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     close(mod.rms_norm(x, w, 1e-5), want, 1e-5, "rms_norm")
     close(mod.row_absmax(x), x.abs().amax(1), 0, "row_absmax")
+    kv = torch.randn(5, 3, 40, generator=g)            # K and V as views of one q|k|v buffer: strided rows
+    close(mod.rows_absmax([kv[:, 1], kv[:, 2, :24]]), torch.stack([kv[:, 1].abs().amax(1), kv[:, 2, :24].abs().amax(1)]),
+          0, "rows_absmax")
     x[2, 7] = float("nan")
     if not math.isnan(mod.absmax(x)):
         raise Mismatch("absmax: a NaN in the input did not propagate")
+    if not math.isnan(float(mod.rows_absmax([x, x])[1, 2])):
+        raise Mismatch("rows_absmax: a NaN in the input did not propagate to its row")
 
 
 def attention(mod) -> None:
