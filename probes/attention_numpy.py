@@ -4,8 +4,9 @@ The check runs inside the forward, right after a layer's attention, when the CPU
 layer's weights: each of the ~70 small torch ops of the torch check pays a cold dispatch there
 (~8 us against ~2 us warm), and a decode row's whole check cost ~1 ms. numpy's small ops cost a
 fraction of that (a decode row's write and read errors: 160 us cold against 560 us in torch, on
-the Intel host). So every check is first computed here; the torch check (attention_math.py) runs
-only for a check whose error passes its tolerance or is NaN, to recompute it and explain it.
+the Intel host; its two matrix products go through torch, see attend()). So every check is first
+computed here; the torch check (attention_math.py) runs only for a check whose error passes its
+tolerance or is NaN, to recompute it and explain it.
 
 Same formulas as attention_math.rel_rows / attend: max |got - want| over everything / max |want|,
 float32 attention with the causal mask, the model's scale and the GQA map (query head h reads KV
@@ -83,14 +84,16 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, scale: 
     ctx, hkv = k.shape[:2]
     g = hq // hkv
     qg = q.reshape(r, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * r, d)
-    # per KV head contiguous [ctx, D]: numpy's matmul hands such slices to BLAS; strided ones (a whole
-    # prompt's K is a view into the layer's q|k|v rows) go to its plain loops, ~100x slower at 400 keys
-    k, v = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
-    s = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)                 # [Hkv, G*r, ctx]
+    # The two products in torch, on numpy's memory: numpy's matmul goes to OpenBLAS, whose threads
+    # spin after a call and took a core from the engine's next layers (the check cost the run 3.3%
+    # against 1.4% of its own time until OPENBLAS_NUM_THREADS=1); torch's run on the engine's own
+    # pool. (numpy's plain loops, its path for strided K, took 17 ms for a prompt of 400 keys.)
+    kt = torch.from_numpy(k).permute(1, 2, 0)                                  # [Hkv, D, ctx], strided
+    s = torch.bmm(torch.from_numpy(qg), kt).numpy() * np.float32(scale)        # [Hkv, G*r, ctx]
     if int(pos.min()) < ctx - 1:                     # a row before the last key (not a decode row): mask
         masked = np.arange(ctx)[None, :] > pos[:, None]                         # [r, ctx]
         s[:, np.tile(masked, (g, 1))] = -np.inf
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    o = np.matmul(s, v)                                                         # [Hkv, G*r, Dv]
+    o = torch.bmm(torch.from_numpy(s), torch.from_numpy(v).transpose(0, 1)).numpy()     # [Hkv, G*r, Dv]
     return o.reshape(hkv, g, r, -1).transpose(2, 0, 1, 3).reshape(r, hq, -1)
