@@ -41,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7, help="repeats of (off, on, probes alone), the order "
                                                            "reversed every other repeat; the median loss is the verdict")
+    ap.add_argument("--tp-repeats", type=int, default=2, help="its TP part: alternating runs of each, best kept")
     ap.add_argument("--tp", type=int, default=2, help="also the rank_consistency probe at this tensor-parallel "
                                                   "size (1: skip)")
     a = ap.parse_args(argv)
@@ -117,7 +118,7 @@ def tp_overhead(prompts, a) -> None:
     torch.set_num_threads(engine.parallel.num_threads)
     run(engine, workload(4, seed=1), 4)
     off, on, costs, exch = [], [], [], []
-    for _ in range(a.repeats):
+    for _ in range(a.tp_repeats):                   # best of N: the TP engine's two processes drift alike
         off.append(run(engine, prompts, a.new_tokens))
         wb = Workbench(engine, log=False).attach("rank_consistency")
         on.append(run(engine, prompts, a.new_tokens))

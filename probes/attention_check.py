@@ -34,7 +34,7 @@ of the request's rows this step.
 
 Cost: the check runs right after the layer's attention, when the caches hold the forward's weights,
 not the check's few kilobytes, and each small torch op pays a cold dispatch (~10 us there, ~2 us
-warm). So a clean check is computed in numpy (check_math.py: the same formulas, ~3.5x cheaper cold
+warm). So a clean check is computed in numpy (attention_numpy.py: the same formulas, ~3.5x cheaper cold
 on a decode row) and the torch code below runs only when an error passes its tolerance (or is NaN):
 it recomputes that check and writes the finding with its explanations.
 

@@ -5,8 +5,8 @@ layer's weights: each of the ~70 small torch ops of the torch check pays a cold 
 (~8 us against ~2 us warm), and a decode row's whole check cost ~1 ms. numpy's small ops cost a
 fraction of that (a decode row's write and read errors: 160 us cold against 560 us in torch, on
 the Intel host; its two matrix products go through torch, see attend()). So every check is first
-computed here; the torch check (attention_math.py) runs only for a check whose error passes its
-tolerance or is NaN, to recompute it and explain it.
+computed here; the torch check (AttentionCheckProbe._check_torch, on attention_math.py) runs only
+for a check whose error passes its tolerance or is NaN, to recompute it and explain it.
 
 Same formulas as attention_math.rel_rows / attend: max |got - want| over everything / max |want|,
 float32 attention with the causal mask, the model's scale and the GQA map (query head h reads KV

@@ -134,3 +134,35 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
     # interleaved as they ran: each layer's KVWritten before its AttentionRead
     order = [(type(e).__name__, e.layer) for e in got]
     assert order[:2] == [("KVWritten", 0), ("AttentionRead", 0)]
+
+
+def test_a_forward_that_raises_still_emits_what_its_layers_measured_before_step_failed(engine):
+    # a decode's per-layer rows are held until its last layer; a forward that raises at layer 1
+    # must still emit layers 0 and 1's rows (the failed step's record keeps them), before StepFailed,
+    # and hold nothing afterwards
+    from workbench.engine import instrumentation
+    from workbench.engine.taps import ModelTap
+    from workbench.events import AttentionRead, KVWritten, StepFailed
+
+    class Boom(ModelTap):
+        needs = frozenset({"kv"})
+        armed = False
+
+        def on_kv(self, layer, k, v, batch):
+            if self.armed and layer == 1:
+                raise RuntimeError("boom at layer 1")
+
+    got: list = []
+    engine.bus.subscribe([KVWritten, AttentionRead, StepFailed], got.append)
+    tap = Boom()
+    instrumentation.add_tap(engine, tap)
+    engine.add_request([5, 6, 7] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()                                                     # the prefill, clean
+    got.clear()
+    tap.armed = True
+    with pytest.raises(RuntimeError, match="boom at layer 1"):
+        engine.step()                                                 # a decode: 1 row, deferred
+    names = [(type(e).__name__, getattr(e, "layer", None)) for e in got]
+    assert names == [("KVWritten", 0), ("AttentionRead", 0), ("KVWritten", 1), ("StepFailed", None)], names
+    assert engine.model_hooks._deferred is None
+    instrumentation.remove_tap(engine, tap)

@@ -73,3 +73,5 @@ def test_a_result_line_is_found_behind_another_threads_unfinished_line(zygote):
     assert not any(ln.startswith("RESULT ") for ln in p.stdout.splitlines())     # the line as CI had it
     assert driver.result_of(p.stdout) == {"steps": 7, "note": "a } in a string"}
     assert driver.result_of("no result\n") is None
+    # a line that only mentions one (a log line) is skipped, not fatal; the real one after it counts
+    assert driver.result_of('INFO a RESULT {not json} here\nRESULT {"steps": 3}\n') == {"steps": 3}

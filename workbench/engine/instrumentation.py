@@ -15,10 +15,12 @@ from ..events import AttentionRead, EventBus, KVWritten, now_ns
 
 # A forward of at most this many rows (decode) has its per-layer events measured and emitted after its
 # last layer: one reduction over every layer's K (and V) and 2L rows in one go, instead of two
-# reductions and two emissions between each layer's kernels, where every small op runs cold
-# (~2.4% of SmolLM2's decode with the per-layer events, 0.5% without them). The layers' K / V are
-# kept until then (views the model no longer writes: at most 64 rows a layer). Bigger forwards
-# (prefill) emit at each layer, as keeping every layer's K / V would cost memory.
+# reductions and two emissions between each layer's kernels, where every small op runs cold. The
+# layers' K / V are kept until then: views, so each keeps its layer's whole q|k|v buffer alive
+# (64 rows x (Hq + 2 Hkv) x D floats a layer: ~7 MB for SmolLM2's 30 layers, ~50 MB for an 8B
+# model). Bigger forwards (prefill) emit at each layer. So a decode's rows reach the bus after
+# anything else its forward emitted (a probe's finding at a layer, the fp16 probe's judgement
+# at the last one); each row's t_ns is still when its layer ran.
 DEFER_ROWS = 64
 
 
@@ -93,7 +95,7 @@ class ModelHooks:
             if self._deferred is not None:          # measured after the last layer (end_forward)
                 self._deferred.append((KVWritten, (self.engine.step_count, now_ns(), layer, k, v, int(k.shape[0]))))
             else:           # K and V in one pass (rows_absmax); the event object only for who takes objects
-                k_max, v_max = native.rows_absmax([k, v]).amax(1).tolist()
+                k_max, v_max = native.absmax_each([k, v])
                 bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
@@ -111,7 +113,8 @@ class ModelHooks:
             bt = self.engine.builder.block_tables
             plan = batch.attn_plan
             pages = plan.pages_read if plan is not None else 0
-            row = (self.engine.step_count, now_ns(), layer, bt.version, bt.checksum, pages * self.kv_bytes_per_page_layer)
+            row = (self.engine.step_count, now_ns(), layer, bt.version, bt.checksum,
+                   pages * self.kv_bytes_per_page_layer)
             if self._deferred is not None:
                 self._deferred.append((AttentionRead, row))
             else:
@@ -125,12 +128,20 @@ class ModelHooks:
             return
         kv = [row for t, row in held if t is KVWritten]
         if kv:
-            k_max = native.rows_absmax([r[3] for r in kv]).amax(1).tolist()    # NaN-propagating, as absmax
-            v_max = native.rows_absmax([r[4] for r in kv]).amax(1).tolist()
+            k_max = native.absmax_each([r[3] for r in kv])                      # NaN-propagating
+            v_max = native.absmax_each([r[4] for r in kv])
             done = iter([(s, t, l, km, vm, n) for (s, t, l, _, _, n), km, vm in zip(kv, k_max, v_max)])
         bus = self.bus
         for t, row in held:
             bus.emit_row(t, next(done) if t is KVWritten else row)
+
+    def forward_failed(self, batch) -> None:
+        """A forward that raised: the rows its layers measured go out (a failed step's flight record
+        keeps the per-layer K / V absmax, often where a NaN or an overflow shows), then nothing is held."""
+        try:
+            self.end_forward(batch)
+        except Exception:               # noqa: BLE001 - the forward's own error is the one to raise
+            self._deferred = None
 
     @property
     def reads_hidden(self) -> bool:

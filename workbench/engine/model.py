@@ -177,42 +177,47 @@ class LlamaModel:
         last = len(self.layers) - 1
         if hooks is not None:
             hooks.begin_forward(batch)               # taps that read a few layers say which, once
-        for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
-            qkv = L.qkv(x)
-            if widen:
-                qkv = qkv.float()
-            if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
-                attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch)
-                q = qkv[:, : self.q_size].view(t, hq, hd)
-                k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
-                v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
-                if hooks is not None:                # the values a probe sees are the ones stored
-                    hooks.on_kv(i, k, v, batch, q=q)
-            else:
-                if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
-                    cos, sin = cos.to(adt).unsqueeze(1), sin.to(adt).unsqueeze(1)
-                    fused = False
-                qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
-                q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two
-                v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+        try:
+            for i, L in enumerate(self.layers):
+                x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
+                qkv = L.qkv(x)
+                if widen:
+                    qkv = qkv.float()
+                if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
+                    attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch)
+                    q = qkv[:, : self.q_size].view(t, hq, hd)
+                    k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
+                    v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+                    if hooks is not None:                # the values a probe sees are the ones stored
+                        hooks.on_kv(i, k, v, batch, q=q)
+                else:
+                    if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
+                        cos, sin = cos.to(adt).unsqueeze(1), sin.to(adt).unsqueeze(1)
+                        fused = False
+                    qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, hd), cos, sin)
+                    q, k = qk[:, :hq], qk[:, hq:]        # rotated together: one pass, not two
+                    v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
+                    if hooks is not None:
+                        hooks.on_kv(i, k, v, batch, q=q)
+                    attn.write_kv(k, v, kv.k[i], kv.v[i], batch, plan)
+                o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch, plan)
                 if hooks is not None:
-                    hooks.on_kv(i, k, v, batch, q=q)
-                attn.write_kv(k, v, kv.k[i], kv.v[i], batch, plan)
-            o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch, plan)
-            if hooks is not None:
-                hooks.on_attention(i, batch, batch.block_tables, o)
-            o = o.reshape(t, hq * hd)
-            if widen:
-                o = o.to(self.dtype)
-            if may_prune and i == last and (hooks is None or not hooks.reads_hidden):
-                o, h = o.index_select(0, rows), h.index_select(0, rows)
-                pruned = True
-            h = L.o.add(o, h)                                     # h + o_proj(o)
-            x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
-            h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
-            if hooks is not None:
-                hooks.on_hidden(i, h, batch)
+                    hooks.on_attention(i, batch, batch.block_tables, o)
+                o = o.reshape(t, hq * hd)
+                if widen:
+                    o = o.to(self.dtype)
+                if may_prune and i == last and (hooks is None or not hooks.reads_hidden):
+                    o, h = o.index_select(0, rows), h.index_select(0, rows)
+                    pruned = True
+                h = L.o.add(o, h)                                     # h + o_proj(o)
+                x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
+                h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
+                if hooks is not None:
+                    hooks.on_hidden(i, h, batch)
+        except BaseException:
+            if hooks is not None:               # what the layers that ran measured, for the failed step's record
+                hooks.forward_failed(batch)
+            raise
         if hooks is not None:
             hooks.end_forward(batch)
         if not pruned:

@@ -157,7 +157,10 @@ def result_of(stdout: str) -> dict | None:
     for ln in stdout.splitlines():
         at = ln.find("RESULT {")
         if at >= 0:
-            found, _ = json.JSONDecoder().raw_decode(ln, at + 7)
+            try:
+                found, _ = json.JSONDecoder().raw_decode(ln, at + 7)
+            except ValueError:                      # a line that only mentions one (a log line)
+                continue
     return found
 
 

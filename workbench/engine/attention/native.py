@@ -54,6 +54,14 @@ def rows_absmax(xs: list) -> torch.Tensor:
     return torch.stack([x.reshape(R, -1).abs().amax(dim=1) for x in xs])
 
 
+def absmax_each(xs: list) -> list[float]:
+    """max |x| of each of xs (tensors of the same rows), NaN-propagating, 0.0 for no rows: one
+    rows_absmax pass over them all (a layer's K and V, or every layer's K of a decode)."""
+    if xs[0].shape[0] == 0:
+        return [0.0] * len(xs)
+    return rows_absmax(xs).amax(1).tolist()
+
+
 def absmax(x: torch.Tensor) -> float:
     """max |x| as a float, NaN-propagating; compiled on CPU float32 (one thread), torch elsewhere."""
     if x.numel() == 0:
