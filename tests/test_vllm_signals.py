@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason=f"no vLLM environment at {vllm_python()} (make vllm installs it)")
 
 STORM = r'''
-import glob, os, signal, threading, time
+import glob, os, signal, sys, threading, time
 def storm():
     d = os.environ["PAGEDKV_RECORD_DIR"]
     t0 = time.time()
@@ -34,7 +34,9 @@ def storm():
         n += 1
         time.sleep(0.005)
     time.sleep(1.5)
-    print(f"STORM {n} {s0} {hooks.POOL.step}", flush=True)
+    # one write, newline included (print writes it apart: vLLM's log line could land between them)
+    sys.stdout.write(f"STORM {n} {s0} {hooks.POOL.step}\n")
+    sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=storm, daemon=True).start()
 '''
