@@ -215,10 +215,10 @@ class AttentionCheckProbe(Probe):
         s, n = seqs[i], ns[i]
         sel = self._rows(n, f)
         dev = batch.input_ids.device
+        rows = sel + int(starts[i])                         # the checked rows' places in the packed batch
         return {"seq": s, "batch": batch, "index": i, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens,
-                "kind": kind,
-                "layer": f % nl, "sel": torch.from_numpy(sel).to(dev), "sel_np": sel, "rows_np": sel + int(starts[i]),
-                "abs_rows": torch.from_numpy(sel + int(starts[i])).to(dev), "step": self.engine.step_count}
+                "kind": kind, "layer": f % nl, "sel": torch.from_numpy(sel).to(dev), "sel_np": sel, "rows_np": rows,
+                "abs_rows": torch.from_numpy(rows).to(dev), "step": self.engine.step_count}
 
     def _rows(self, n: int, f: int) -> np.ndarray:
         """The query rows of an n-row chunk to check (attention_math.sample_rows): a bug at one row offset

@@ -359,9 +359,9 @@ class PageTableProbe(Probe):
                    hint=HINT_RANGE, kind="page-out-of-range", dedup=("page-out-of-range", s.request_id, p),
                    step=step, request_id=s.request_id, page=p, evidence={"num_pages": n})
         # Mapped but free (the pool's per-page free flags, read as an array: no call per mapped page).
-        free_flag = np.frombuffer(pool.free_queue().is_free, dtype=np.int8)
+        is_free = np.asarray(pool.free_queue().is_free, dtype=bool)        # as pool_accounting reads them
         at = np.nonzero(inside)[0]
-        mapped_free = at[free_flag[pages[at]] == 1].tolist()
+        mapped_free = at[is_free[pages[at]]].tolist()
         for k in mapped_free[:MAX_PER_CHECK]:
             s = live[owner[k]]
             j = int(k - np.searchsorted(owner, owner[k]))
