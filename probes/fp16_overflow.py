@@ -146,6 +146,8 @@ class FP16OverflowProbe(Probe):
         self._tk, self._tv, self._th = [None] * L, [None] * L, [None] * L
         self._qk = [None] * L
         self._rows = (batch.cu_seqlens_q[1:].long() - 1)            # last token of each sequence
+        # A decode-only forward's last tokens are all its rows: q is taken whole, no select per layer.
+        self._all_rows = len(batch.seqs) == batch.input_ids.shape[0]
         # Few rows (decode): keep each layer's K, V, q rows and h (views the model no longer writes)
         # and reduce all layers in _finish with a handful of ops, not a handful per layer.
         self._stash = batch.input_ids.shape[0] <= STASH_ROWS
@@ -171,7 +173,7 @@ class FP16OverflowProbe(Probe):
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
-                q = self._q.index_select(0, self._rows)
+                q = self._q if self._all_rows else self._q.index_select(0, self._rows)
             else:                        # a model that does not hand q to its hooks: recompute it
                 L = m.layers[layer]
                 q = L.qkv(rms_norm(self._h_in, L.norm_attn, m.cfg.rms_norm_eps))[:, : m.q_size]
@@ -208,8 +210,12 @@ class FP16OverflowProbe(Probe):
         T = self._tk[0].shape[0]
 
         ks = self._tk
-        # one call over every layer's tensor each, no stacked copy
-        self._tk, self._tv, self._th = rows_absmax(ks), rows_absmax(self._tv), rows_absmax(self._th)
+        # one call over every layer's K, V and h, no stacked copy
+        if all(h.shape[0] == T for h in self._th):
+            kvh = rows_absmax(ks + self._tv + self._th)
+            self._tk, self._tv, self._th = kvh[:L], kvh[L:2 * L], kvh[2 * L:]
+        else:                                   # not expected (measured stashes keep every row): apart
+            self._tk, self._tv, self._th = rows_absmax(ks), rows_absmax(self._tv), rows_absmax(self._th)
         if self.scores and self._qk[0] is not None:
             q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
             qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)

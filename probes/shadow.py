@@ -97,8 +97,10 @@ def checkable(seq, n: int, page_size: int, num_pages: int, budget: int | None = 
     tokens and page list cover, page ids inside the pool (a bad page list is page_table's to report)."""
     ctx = seq.num_computed_tokens + n
     need = -(-ctx // page_size)
-    return not (n < 1 or (budget is not None and ctx > budget) or ctx > len(seq.token_ids)
-                or len(seq.pages) < need or not all(0 <= pg < num_pages for pg in seq.pages[:need]))
+    if n < 1 or (budget is not None and ctx > budget) or ctx > len(seq.token_ids) or len(seq.pages) < need:
+        return False
+    pages = seq.pages[:need]                # min / max: C loops (asked for every row of every step)
+    return not pages or (min(pages) >= 0 and max(pages) < num_pages)
 
 
 def stored_kv(cache: torch.Tensor, pages: torch.Tensor, ctx: int) -> torch.Tensor:

@@ -153,6 +153,28 @@ def test_peak_figures_policy_without_measuring(monkeypatch):
     assert again["source"] == "measured" and again["steps_reached_gbs"] == 2e5
 
 
+def test_proc_ticks_counts_this_process_as_proc_does():
+    """proc_ticks reads /proc/stat through a kept descriptor and our own ticks from times(2): they
+    must be /proc/stat's host counters, moving, and this process's ticks as /proc/self/stat has them."""
+    def ours_from_proc():
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            f = fh.read().rsplit(")", 1)[1].split()
+        return int(f[11]) + int(f[12])
+
+    t0 = peaks.proc_ticks()
+    if t0 is None:
+        pytest.skip("no /proc/stat here")
+    end = time.process_time() + 0.3
+    while time.process_time() < end:            # burn 30 ticks of our own
+        pass
+    a, t1, b = ours_from_proc(), peaks.proc_ticks(), ours_from_proc()
+    assert a - 1 <= t1[2] <= b + 1                 # ours: the kernel's count, read two ways
+    assert t1[2] - t0[2] >= 20 and t1[1] > t0[1] and t1[0] - t0[0] >= t1[2] - t0[2] - 2
+    with open("/proc/stat", encoding="ascii") as fh:
+        v = [int(x) for x in fh.readline().split()[1:9]]
+    assert t1[1] <= sum(v) <= t1[1] + 200          # the same counters, a moment later
+
+
 def test_busy_measurement_is_repeated_and_the_best_kept(monkeypatch):
     """Other work takes 90% of the host while each measurement runs: three tries, best figures kept,
     the entry marked busy."""

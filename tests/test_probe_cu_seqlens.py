@@ -42,6 +42,24 @@ def test_each_rule_names_its_first_bad_segment(values, kwargs, expected):
     assert rules(check_cu_seqlens(t, 9, **kwargs)) == expected
 
 
+def test_the_clean_fast_path_agrees_with_the_rules_on_random_tensors():
+    """check_cu_seqlens answers a clean tensor in a few operations (every step); on random tensors,
+    clean and broken by one entry, its verdict is the rules' own, spelled out here in Python."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        lengths = rng.integers(0 if rng.random() < 0.2 else 1, 9, rng.integers(1, 7)).tolist()
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        if rng.random() < 0.6:                       # one entry off, or the told maximum off
+            cu[rng.integers(0, len(cu))] += int(rng.choice([-2, -1, 1, 3]))
+        mx = max(lengths) + (int(rng.choice([-1, 1])) if rng.random() < 0.2 else 0)
+        total = sum(lengths)
+        d = np.diff(cu)
+        clean = (cu[0] == 0 and (d > 0).all() and cu[-1] == total and list(d) == lengths and d.max() == mx)
+        got = check_cu_seqlens(torch.tensor(cu, dtype=torch.int32), total, num_seqs=len(lengths),
+                               lengths=lengths, max_seqlen=mx)
+        assert (got == []) == clean, (cu.tolist(), lengths, mx, got)
+
+
 def test_empty_sequences_are_allowed_only_when_asked():
     t = torch.tensor([0, 3, 3, 9], dtype=I32)
     assert check_cu_seqlens(t, 9, lengths=[3, 0, 6], allow_empty=True) == []
