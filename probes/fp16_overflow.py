@@ -66,7 +66,7 @@ class _Tap(ModelTap):
         if forward_layers is not None:     # every layer on a measured forward, none on the others
             self.forward_layers = forward_layers
         self._measuring = measuring
-        self.needs = frozenset({"kv", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
+        self.needs = frozenset({"kv_absmax", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
         if on_q is not None:
             self.on_q = on_q
 
@@ -168,8 +168,8 @@ class FP16OverflowProbe(Probe):
                 self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), self.engine.model.embed)
         if self._stash:
             self._tk[layer], self._tv[layer] = k, v
-        else:                            # K and V in one pass over the layer's q|k|v rows
-            self._tk[layer], self._tv[layer] = rows_absmax([k, v])
+        else:                            # K and V as the store measured them, else one pass over q|k|v
+            self._tk[layer], self._tv[layer] = self.engine.model_hooks.kv_absmax(layer, k, v)
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
@@ -210,8 +210,11 @@ class FP16OverflowProbe(Probe):
         T = self._tk[0].shape[0]
 
         ks = self._tk
-        # one call over every layer's K, V and h, no stacked copy
-        if all(h.shape[0] == T for h in self._th):
+        stored = self.engine.model_hooks.forward_kv_absmax()       # [L, 2, T] by the fused store, or None
+        if stored is not None and stored.shape[2] == T:
+            self._tk, self._tv, self._th = stored[:, 0], stored[:, 1], rows_absmax(self._th)
+        # else one call over every layer's K, V and h, no stacked copy
+        elif all(h.shape[0] == T for h in self._th):
             kvh = rows_absmax(ks + self._tv + self._th)
             self._tk, self._tv, self._th = kvh[:L], kvh[L:2 * L], kvh[2 * L:]
         else:                                   # not expected (measured stashes keep every row): apart

@@ -172,6 +172,41 @@ def test_compiled_rms_norm_and_rope_write_match_torch(rows):
         kern.rope_write(qkv16.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_rope_write_measures_each_rows_k_and_v_absmax_as_it_stores_them(rows):
+    """rope_write's absmax out: each row's max |k| (rotated, as stored) and |v|, exactly what a
+    reduction of the stored rows gives, NaN and inf included; refused where it cannot hold."""
+    from workbench.engine.model import rope_tables
+    need_kernel()
+    kern = native.kernel()
+    g = torch.Generator().manual_seed(rows)
+    ps, pages = 16, 64
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=g) * 100
+    qkv[rows // 2, (HQ + HKV) * D + 3] = float("nan")            # a V of one row
+    qkv[rows - 1, HQ * D + 5] = float("inf")                     # a K of another
+    cos, sin = rope_tables(D, 4096, 10000.0)
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    slots = torch.randperm(pages * ps, generator=g)[:rows]
+    kc, vc = torch.zeros(pages, ps, HKV, D), torch.zeros(pages, ps, HKV, D)
+    out = torch.full((2, rows), -1.0)
+    got = qkv.clone()
+    kern.rope_write(got, cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV, out)
+    want = torch.stack([kc.view(-1, HKV * D)[slots].abs().amax(1), vc.view(-1, HKV * D)[slots].abs().amax(1)])
+    assert torch.equal(out.isnan(), want.isnan()) and out[1, rows // 2].isnan()
+    assert torch.equal(out.nan_to_num(), want.nan_to_num()) and out[0, rows - 1] == float("inf")
+    plain = qkv.clone()                                          # the store itself is unchanged by measuring
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    kern.rope_write(plain, cos[pos].contiguous(), sin[pos].contiguous(), kc2, vc2, slots, HQ, HKV)
+    assert torch.equal(plain.nan_to_num(), got.nan_to_num()) and torch.equal(kc2.nan_to_num(), kc.nan_to_num())
+    for bad in (torch.zeros(2, rows + 1), torch.zeros(2, 2 * rows)[:, ::2], torch.zeros(2, rows, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="absmax"):
+            kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV, bad)
+    kc16, vc16 = kc.bfloat16(), vc.bfloat16()
+    with pytest.raises(RuntimeError, match="absmax"):            # bf16 rows: no measurement
+        kern.rope_write(qkv.bfloat16(), cos[pos].contiguous(), sin[pos].contiguous(), kc16, vc16, slots, HQ, HKV,
+                        torch.zeros(2, rows))
+
+
 def test_compiled_row_absmax_matches_torch_with_nan_and_inf():
     need_kernel()
     x = torch.randn(40, 3, 64)

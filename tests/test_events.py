@@ -91,10 +91,12 @@ def test_the_event_log_module_imports_on_its_own():
         assert proc.returncode == 0, proc.stderr
 
 
-def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_not(engine):
-    # a forward of <= DEFER_ROWS rows emits its KVWritten / AttentionRead rows after its last layer
-    # (one reduction over every layer's K and V); a bigger one at each layer. Either way each row
-    # is its layer's, measured on the K / V the layer handed to the store, stamped when it ran.
+@pytest.mark.parametrize("fused", [True, False])
+def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_not(engine, fused, monkeypatch):
+    # a forward of <= DEFER_ROWS rows emits its KVWritten / AttentionRead rows after its last layer;
+    # a bigger one at each layer. Either way each row is its layer's, measured on the K / V the
+    # layer handed to the store, stamped when it ran: by the fused store as it wrote them (fused),
+    # or by the hooks' own reduction (the store unfused through its seam).
     import torch
 
     from workbench.engine import instrumentation
@@ -110,13 +112,19 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
         def on_kv(self, layer, k, v, batch):
             self.seen.append((layer, k.shape[0], float(k.abs().max()), float(v.abs().max())))
 
+    if not fused:
+        monkeypatch.setattr(engine.attn, "fuse_rope_write", False)
+    elif not engine.attn.fused_rope_write(torch.float32, engine.kv.k[0]):
+        pytest.skip("no fused store on this backend / build")
     got: list = []
     engine.bus.subscribe([KVWritten, AttentionRead], got.append)
     tap = Truth()
     instrumentation.add_tap(engine, tap)
     n_big = instrumentation.DEFER_ROWS + 30
     engine.generate([[7, 8, 9] * (n_big // 3 + 1), [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
+    measured_by_store = engine.model_hooks.forward_kv_absmax() is not None     # the last forward's
     instrumentation.remove_tap(engine, tap)
+    assert measured_by_store == fused
     L = engine.model_config.num_layers
     kv = [e for e in got if isinstance(e, KVWritten)]
     reads = [e for e in got if isinstance(e, AttentionRead)]

@@ -339,14 +339,23 @@ def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
 def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny_llama_dir, monkeypatch):
     """The few-row path keeps each layer's K, V, q and h (views) and reduces them once after the last
     layer: every figure equals the per-layer path's, so nothing the model wrote later changed them."""
+    # Each way with K / V absmax measured by the fused store as it wrote them, and without (the
+    # hooks' buffer refused: the probe reduces the K / V it was handed): the same figures.
     import probes.fp16_overflow as fo
-    got = []
+    from workbench.engine.instrumentation import ModelHooks
+    got, by_store = [], []
+    real = ModelHooks.kv_absmax_buffer
     for stash in (fo.STASH_ROWS, 0):
-        monkeypatch.setattr(fo, "STASH_ROWS", stash)
-        eng = engine(tiny_llama_dir, "float32")
-        wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
-        eng.generate(prompts(3, seed=5), GREEDY)
-        df = wb.probe("fp16_overflow").frame()
-        got.append(df[["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]].to_numpy())
-    assert got[0].shape == got[1].shape and len(got[0]) > 0
-    assert np.allclose(got[0], got[1], rtol=1e-6, equal_nan=True)
+        for store in (True, False):
+            monkeypatch.setattr(fo, "STASH_ROWS", stash)
+            monkeypatch.setattr(ModelHooks, "kv_absmax_buffer", real if store else (lambda self, t, n: None))
+            eng = engine(tiny_llama_dir, "float32")
+            wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+            eng.generate(prompts(3, seed=5), GREEDY)
+            by_store.append(eng.model_hooks.forward_kv_absmax() is not None)
+            df = wb.probe("fp16_overflow").frame()
+            got.append(df[["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]].to_numpy())
+    assert by_store == [eng.attn.fused_rope_write(torch.float32, eng.kv.k[0]), False] * 2
+    assert all(g.shape == got[0].shape for g in got) and len(got[0]) > 0
+    for g in got[1:]:
+        assert np.allclose(got[0], g, rtol=1e-6, equal_nan=True)

@@ -7,20 +7,23 @@ with nothing attached the hot path sees `None` checks and nothing else.
 from __future__ import annotations
 
 
+import torch
+
 from .attention import native
 from .pages import POOL_EVENTS
 from .taps import NEEDS, ModelTap, scopes_layers, validate  # NEEDS, ModelTap: also reachable from here, with add_tap
 from ..events import AttentionRead, EventBus, KVWritten, now_ns
 
 
-# A forward of at most this many rows (decode) has its per-layer events measured and emitted after its
-# last layer: one reduction over every layer's K (and V) and 2L rows in one go, instead of two
-# reductions and two emissions between each layer's kernels, where every small op runs cold. The
-# layers' K / V are kept until then: views, so each keeps its layer's whole q|k|v buffer alive
-# (64 rows x (Hq + 2 Hkv) x D floats a layer: ~7 MB for SmolLM2's 30 layers, ~50 MB for an 8B
-# model). Bigger forwards (prefill) emit at each layer. So a decode's rows reach the bus after
-# anything else its forward emitted (a probe's finding at a layer, the fp16 probe's judgement
-# at the last one); each row's t_ns is still when its layer ran.
+# A forward of at most this many rows (decode) has its per-layer events emitted after its last layer,
+# 2L rows in one go, instead of two emissions between each layer's kernels, where every small op
+# runs cold. Their K / V absmax come from the fused store's measurement (kv_absmax_buffer: one
+# reduction of [L, 2, T] at the end); where a layer was not measured so (no fused store: bf16 rows,
+# an fp16 cache, the torch path), its K / V are kept until then and reduced in one call: views, so
+# each keeps its layer's whole q|k|v buffer alive (64 rows x (Hq + 2 Hkv) x D floats a layer: ~7 MB
+# for SmolLM2's 30 layers, ~50 MB for an 8B model). Bigger forwards (prefill) emit at each layer.
+# So a decode's rows reach the bus after anything else its forward emitted (a probe's finding at a
+# layer, the fp16 probe's judgement at the last one); each row's t_ns is still when its layer ran.
 DEFER_ROWS = 64
 
 
@@ -35,6 +38,9 @@ class ModelHooks:
         self.num_layers = engine.model_config.num_layers
         self.kv_bytes_per_page_layer = engine.kv.bytes_per_page // max(1, self.num_layers)
         self._deferred: list | None = None       # this forward's (type, row) per layer, when deferred
+        self._kvbuf = None                        # [L, 2, T]: each row's max |K|, |V|, by the fused store
+        self._measured: list | None = None        # per layer: whether _kvbuf holds it
+        self._memo = None                         # (layer, k, v, [2, T]) of a layer measured here
         self.set_taps([])
 
     @property
@@ -46,6 +52,7 @@ class ModelHooks:
         per layer. The needs are the ones add_tap froze, whatever the tap's attribute says later."""
         self._declared = list(declared)
         self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
+        self._absmax_taps = any("kv_absmax" in n for _, n in self._declared)
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
         self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
@@ -68,7 +75,7 @@ class ModelHooks:
             return [[f for f, a in fns if a is True or l in a] for l in range(L)]
 
         self._q = per_layer({"q"}, "on_q")
-        self._kv = per_layer({"kv"}, "on_kv")
+        self._kv = per_layer({"kv", "kv_absmax"}, "on_kv")
         self._out = per_layer({"attention_out"}, "on_attention_out")
         self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
         if len(self._built) < 4096:
@@ -78,6 +85,7 @@ class ModelHooks:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
         forward; the call lists are rebuilt only when the answer changed."""
         self._deferred = [] if batch.input_ids.shape[0] <= DEFER_ROWS else None
+        self._kvbuf = self._measured = self._memo = None       # kv_absmax_buffer() sets them for a fused store
         if not self._scoped:
             return
         active = [True] * len(self._declared)
@@ -89,13 +97,47 @@ class ModelHooks:
         if active != self._active:
             self._build(active)
 
-    def on_kv(self, layer, k, v, batch, q=None) -> None:
+    # ---- each row's max |K|, |V|: measured by the fused store where it runs, else here ------------
+    def kv_absmax_buffer(self, t: int, num_layers: int):
+        """Before layer 0 (the model asks, where its store is fused): [L, 2, t] for the store to fill
+        with each row's max |K| and |V|, when someone reads them (the event log's KVWritten, a tap
+        declaring "kv_absmax"); else None."""
+        self._memo = None
+        if not (self._absmax_taps or self.bus.wants(KVWritten)):
+            self._kvbuf = self._measured = None
+            return None
+        self._kvbuf = torch.empty(num_layers, 2, t)
+        self._measured = [False] * num_layers
+        return self._kvbuf
+
+    def kv_absmax(self, layer, k, v) -> torch.Tensor:
+        """[2, T]: each row's max |K| and |V| at this layer (NaN-propagating): what the fused store
+        measured, else one rows_absmax pass over k and v (kept for the layer's other readers)."""
+        if self._measured is not None and self._measured[layer]:
+            return self._kvbuf[layer]
+        memo = self._memo
+        if memo is not None and memo[0] == layer and memo[1] is k and memo[2] is v:
+            return memo[3]
+        got = native.rows_absmax([k, v]) if k.shape[0] else torch.zeros(2, 0)
+        self._memo = (layer, k, v, got)
+        return got
+
+    def forward_kv_absmax(self):
+        """[L, 2, T] when the fused store measured every layer of this forward, else None."""
+        m = self._measured
+        return self._kvbuf if m is not None and all(m) else None
+
+    def on_kv(self, layer, k, v, batch, q=None, measured: bool = False) -> None:
+        """measured: the fused store filled kv_absmax_buffer's row for this layer."""
+        if measured and self._measured is not None:
+            self._measured[layer] = True
         bus = self.bus
         if bus.wants(KVWritten):
-            if self._deferred is not None:          # measured after the last layer (end_forward)
-                self._deferred.append((KVWritten, (self.engine.step_count, now_ns(), layer, k, v, int(k.shape[0]))))
-            else:           # K and V in one pass (rows_absmax); the event object only for who takes objects
-                k_max, v_max = native.absmax_each([k, v])
+            if self._deferred is not None:          # emitted after the last layer (end_forward)
+                kv = (None, None) if measured else (k, v)   # measured: nothing to keep alive
+                self._deferred.append((KVWritten, (self.engine.step_count, now_ns(), layer, *kv, int(k.shape[0]))))
+            else:           # K and V in one pass (rows_absmax) or the store's; the event object only for who takes objects
+                k_max, v_max = self.kv_absmax(layer, k, v).amax(1).tolist() if k.shape[0] else (0.0, 0.0)
                 bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
@@ -124,13 +166,17 @@ class ModelHooks:
         """After the last layer: the deferred per-layer events, in layer order, each stamped when its
         layer ran; every layer's K and V absmax from one reduction each."""
         held, self._deferred = self._deferred, None
+        self._memo = None
         if not held:
             return
         kv = [row for t, row in held if t is KVWritten]
         if kv:
-            k_max = native.absmax_each([r[3] for r in kv])                      # NaN-propagating
-            v_max = native.absmax_each([r[4] for r in kv])
-            done = iter([(s, t, l, km, vm, n) for (s, t, l, _, _, n), km, vm in zip(kv, k_max, v_max)])
+            stored = self._kvbuf.amax(2).tolist() if self._kvbuf is not None and kv[0][5] else None   # [L][2]
+            rest = [r for r in kv if r[3] is not None]                     # not measured by the store
+            k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
+            v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
+            done = iter([(s, t, l, *((k_max[l], v_max[l]) if k is not None else stored[l] if stored else (0.0, 0.0)), n)
+                         for s, t, l, k, _, n in kv])
         bus = self.bus
         for t, row in held:
             bus.emit_row(t, next(done) if t is KVWritten else row)

@@ -175,8 +175,11 @@ class LlamaModel:
         rows = batch.logits_indices
         may_prune, pruned = self.prune_unsampled and rows.shape[0] < t, False
         last = len(self.layers) - 1
+        kvmax = None
         if hooks is not None:
             hooks.begin_forward(batch)               # taps that read a few layers say which, once
+            if fused and adt == torch.float32:       # the store measures each row's max |K|, |V| as it goes
+                kvmax = hooks.kv_absmax_buffer(t, len(self.layers))
         try:
             for i, L in enumerate(self.layers):
                 x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
@@ -184,12 +187,14 @@ class LlamaModel:
                 if widen:
                     qkv = qkv.float()
                 if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
-                    attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch)
+                    if kvmax is not None:
+                        batch.kv_absmax = kvmax[i]
+                    measured = attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch) is True and kvmax is not None
                     q = qkv[:, : self.q_size].view(t, hq, hd)
                     k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
                     v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                     if hooks is not None:                # the values a probe sees are the ones stored
-                        hooks.on_kv(i, k, v, batch, q=q)
+                        hooks.on_kv(i, k, v, batch, q=q, measured=measured)
                 else:
                     if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
                         cos, sin = cos.to(adt).unsqueeze(1), sin.to(adt).unsqueeze(1)
@@ -215,9 +220,11 @@ class LlamaModel:
                 if hooks is not None:
                     hooks.on_hidden(i, h, batch)
         except BaseException:
+            batch.kv_absmax = None
             if hooks is not None:               # what the layers that ran measured, for the failed step's record
                 hooks.forward_failed(batch)
             raise
+        batch.kv_absmax = None
         if hooks is not None:
             hooks.end_forward(batch)
         if not pruned:

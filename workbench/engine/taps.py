@@ -10,6 +10,9 @@ the per-layer path looks nothing up.
 - "attention_out": on_attention_out(layer, o, batch)  o [T, Hq, D], the paged attention's output
 - "hidden":       on_hidden(layer, h, batch)     the residual stream after each layer; after the
                   last layer only the sampled rows' (the model prunes the others: model.py)
+- "kv_absmax":    "kv", and each row's max |K| and |V| ready for the tap at each layer:
+                  ModelHooks.kv_absmax(layer, k, v) -> [2, T] (a fused store measures them in the same
+                  pass, where it runs: no read of K and V of its own); forward_kv_absmax() -> [L, 2, T]
 - "every_row_hidden": "hidden", and the last layer runs for every row so on_hidden sees all T rows
                   (costs ~3% of a prefill step's linears). A tap that wants that only on some
                   forwards also overrides reads_every_row() (asked once per forward, at the last
@@ -27,8 +30,8 @@ whose optional callback decides what it reads); to change it, remove the tap and
 from __future__ import annotations
 
 # need -> the method it calls ("every_row_hidden" is "hidden" that also keeps every row)
-METHODS = {"q": "on_q", "kv": "on_kv", "attention_out": "on_attention_out", "hidden": "on_hidden",
-           "every_row_hidden": "on_hidden"}
+METHODS = {"q": "on_q", "kv": "on_kv", "kv_absmax": "on_kv", "attention_out": "on_attention_out",
+           "hidden": "on_hidden", "every_row_hidden": "on_hidden"}
 NEEDS = frozenset(METHODS)
 
 

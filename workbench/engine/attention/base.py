@@ -55,8 +55,10 @@ class AttentionBackend:
         return False
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, batch: PackedBatch) -> None:
-        """Rotate q|k of qkv [T, (Hq + 2 Hkv) * D] in place and store k, v at their slots."""
+                   v_cache: torch.Tensor, batch: PackedBatch) -> bool | None:
+        """Rotate q|k of qkv [T, (Hq + 2 Hkv) * D] in place and store k, v at their slots. Where
+        batch.kv_absmax is set (the model's hooks want each row's max |K|, |V|), a backend may fill
+        it in the same pass and return True; anything else (None) and the hooks measure K and V."""
         raise NotImplementedError
 
     def _plan_of(self, batch: PackedBatch, q_dtype, cache, plan):

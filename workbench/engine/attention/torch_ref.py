@@ -70,9 +70,13 @@ class TorchPagedAttention(AttentionBackend):
                 and cache.dtype in (torch.float32, torch.bfloat16) and cache.is_contiguous()
                 and kv_scale.page_scale(cache) is None and native.kernel() is not None)
 
-    def rope_write(self, qkv, cos, sin, k_cache, v_cache, batch: PackedBatch) -> None:
+    def rope_write(self, qkv, cos, sin, k_cache, v_cache, batch: PackedBatch) -> bool:
+        # batch.kv_absmax: the kernel measures each row's max |k|, |v| while the row is in L1
+        # (float32 rows only); True when it did
+        out = batch.kv_absmax if qkv.dtype == torch.float32 else None
         native.kernel().rope_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads,
-                                   self.num_kv_heads)
+                                   self.num_kv_heads, out)
+        return out is not None
 
     # ---- planning (once per step) ------------------------------------------
     def plan(self, batch: PackedBatch, q_dtype: torch.dtype = torch.float32,

@@ -527,11 +527,17 @@ inline void rotate(c10::BFloat16* x, const float* c, const float* s, int64_t hal
   for (int64_t i = 0; i < 2 * half; ++i) x[i] = c10::BFloat16(w[i]);
 }
 
+static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan);
+
 // In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
 // as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
 // slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
+// absmax (float32 q|k|v only): [2, T] float32, filled with each row's max |k| (rotated, as stored
+// before any cast) and max |v|, NaN-propagating, read while the row is in L1: what the event log's
+// KVWritten and the fp16 probe would otherwise read from memory again, a pass over K and V a layer.
 void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv) {
+                torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv,
+                const c10::optional<torch::Tensor>& absmax) {
   const auto ct = k_cache.scalar_type(), xt = qkv.scalar_type();
   TORCH_CHECK(((xt == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16)) ||
                (xt == torch::kBFloat16 && ct == torch::kBFloat16)) && cos.scalar_type() == torch::kFloat &&
@@ -552,6 +558,14 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   for (int64_t t = 0; t < t_n; ++t)       // validate first: a bad slot writes nothing anywhere
     TORCH_CHECK_INDEX(sl[t] >= 0 && sl[t] < num_slots, "index ", sl[t], " is out of bounds for dimension 0 "
                       "with size ", num_slots, " (rope_write: slot of token ", t, ")");
+  float* am = nullptr;
+  if (absmax.has_value()) {
+    const auto& a = *absmax;
+    TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.is_contiguous() && a.dim() == 2 &&
+                    a.size(0) == 2 && a.size(1) == t_n,
+                "rope_write: absmax is a contiguous float32 [2, T] and needs float32 q|k|v");
+    am = a.data_ptr<float>();
+  }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   auto body = [&](auto* base, auto* kc, auto* vc) {
@@ -563,6 +577,16 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
       for (int64_t h = 0; h < hq + hkv; ++h) rotate(row + h * d, c, s, half);
       store_row(kc + sl[t] * kv, row + hq * d, kv);
       store_row(vc + sl[t] * kv, row + hq * d + kv, kv);
+      if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(row)>>, float>) {
+        if (am != nullptr) {
+          for (int u = 0; u < 2; ++u) {
+            float m = 0.f;
+            bool nan = false;
+            absmax_lanes(row + hq * d + u * kv, kv, &m, &nan);
+            am[u * t_n + t] = nan ? NAN : m;
+          }
+        }
+      }
     }
   });
   };
@@ -704,6 +728,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v with a float32 / bf16 cache, or bf16 "
-        "q|k|v with a bf16 cache, CPU)",
+        "q|k|v with a bf16 cache, CPU); absmax: [2, T] float32 out, each row's max |k| and |v| (float32 q|k|v)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("hq"), py::arg("hkv"), py::arg("absmax") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }
