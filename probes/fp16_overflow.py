@@ -172,6 +172,12 @@ class FP16OverflowProbe(Probe):
             self._tk[layer], self._tv[layer] = self.engine.model_hooks.kv_absmax(layer, k, v)
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
+            got = self.engine.model_hooks.row_stats(layer) if self._q is not None and not self._stash else None
+            if got is not None:          # the store measured each row's largest head norm of k and q
+                qn = got[3] if self._all_rows else got[3].index_select(0, self._rows)
+                self._qk[layer] = torch.stack([qn.amax(), got[2].amax()])
+                self._q = None
+                return
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
                 q = self._q if self._all_rows else self._q.index_select(0, self._rows)
             else:                        # a model that does not hand q to its hooks: recompute it
@@ -210,11 +216,14 @@ class FP16OverflowProbe(Probe):
         T = self._tk[0].shape[0]
 
         ks = self._tk
-        stored = self.engine.model_hooks.forward_kv_absmax()       # [L, 2, T] by the fused store, or None
+        stored = self.engine.model_hooks.forward_row_stats()       # [L, 4, T] by the fused store, or None
         if stored is not None and stored.shape[2] == T:
             self._tk, self._tv, self._th = stored[:, 0], stored[:, 1], rows_absmax(self._th)
-        # else one call over every layer's K, V and h, no stacked copy
-        elif all(h.shape[0] == T for h in self._th):
+            if self.scores and self._qk[0] is not None:             # the model handed q: its rows' norms
+                qn = stored[:, 3] if self._all_rows else stored[:, 3].index_select(1, self._rows)
+                self._qk = list(torch.stack([qn.amax(1), stored[:, 2].amax(1)], 1))
+            return
+        if all(h.shape[0] == T for h in self._th):          # one call over every layer's K, V and h
             kvh = rows_absmax(ks + self._tv + self._th)
             self._tk, self._tv, self._th = kvh[:L], kvh[L:2 * L], kvh[2 * L:]
         else:                                   # not expected (measured stashes keep every row): apart
@@ -228,13 +237,14 @@ class FP16OverflowProbe(Probe):
     # ---- one measured step ----------------------------------------------------------
     def _finish(self, batch) -> None:
         step = self.engine.step_count
-        K, V, H = (t.float() if torch.is_tensor(t) else torch.stack(t).float()          # [L, T]
+        # [L, T] each, on the host once; the rest in numpy (a few small ops, not a dozen torch dispatches)
+        K, V, H = (np.asarray((t if torch.is_tensor(t) else torch.stack(t)).float().cpu())
                    for t in (self._tk, self._tv, self._th))
-        parts = [K.amax(1), V.amax(1), H.amax(1), (~K.isfinite()).sum(1), (~V.isfinite()).sum(1),
-                 (~H.isfinite()).sum(1)]
+        parts = [K.max(1), V.max(1), H.max(1), (~np.isfinite(K)).sum(1), (~np.isfinite(V)).sum(1),
+                 (~np.isfinite(H)).sum(1)]                                   # max: NaN-propagating, as amax
         if self.scores:
-            parts += list(torch.stack(self._qk).T)
-        stats = torch.stack([p.float() for p in parts]).cpu().double().numpy()          # one copy
+            parts += list(np.asarray(torch.stack(self._qk).float().cpu()).T)
+        stats = np.stack(parts).astype(np.float64)
         kmax, vmax, hmax, knf, vnf, hnf = stats[:6]
         score = np.full(self._L, np.nan)
         if self.scores:
@@ -256,12 +266,13 @@ class FP16OverflowProbe(Probe):
         self._judge(step, batch, (K, V, H), stats, score)
 
     def _record_pages(self, step, K, V, batch) -> None:
-        page_of = batch.slot_mapping.long() // batch.page_size
-        uniq, inv = torch.unique(page_of, return_inverse=True)
-        idx = inv.expand(K.shape[0], -1)
-        kp = torch.zeros(K.shape[0], len(uniq), device=K.device).scatter_reduce_(1, idx, K, "amax")
-        vp = torch.zeros_like(kp).scatter_reduce_(1, idx, V, "amax")
-        self.pages.append((step, uniq.cpu().numpy(), kp.cpu().numpy(), vp.cpu().numpy()))
+        """Per page written this step, K's and V's max over its rows ([L, pages] each; NaN spreads)."""
+        page_of = np.asarray(batch.slot_mapping.cpu()).astype(np.int64) // batch.page_size
+        uniq, inv = np.unique(page_of, return_inverse=True)
+        kp, vp = np.zeros((K.shape[0], len(uniq)), np.float32), np.zeros((K.shape[0], len(uniq)), np.float32)
+        np.maximum.at(kp.T, inv, K.T)        # row t of K.T (every layer) into its page's column
+        np.maximum.at(vp.T, inv, V.T)
+        self.pages.append((step, uniq, kp, vp))
 
     def _judge(self, step, batch, tensors, stats, score) -> None:
         kmax, vmax, hmax, knf, vnf, hnf = stats[:6]
@@ -331,7 +342,7 @@ class FP16OverflowProbe(Probe):
                 threshold=None) -> None:
         if (kind, layer) in self._seen:           # dedup before the (host-syncing) token lookup
             return
-        row = tensor[layer].cpu().numpy()
+        row = np.asarray(tensor[layer])
         with np.errstate(invalid="ignore"):
             hit = ~np.isfinite(row) if threshold is None else ~(row <= threshold)
         tok = int(np.argmax(hit))

@@ -188,17 +188,26 @@ def test_rope_write_measures_each_rows_k_and_v_absmax_as_it_stores_them(rows):
     pos = torch.randint(0, 4096, (rows,), generator=g)
     slots = torch.randperm(pages * ps, generator=g)[:rows]
     kc, vc = torch.zeros(pages, ps, HKV, D), torch.zeros(pages, ps, HKV, D)
-    out = torch.full((2, rows), -1.0)
+    out = torch.full((4, rows), -1.0)
     got = qkv.clone()
     kern.rope_write(got, cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV, out)
     want = torch.stack([kc.view(-1, HKV * D)[slots].abs().amax(1), vc.view(-1, HKV * D)[slots].abs().amax(1)])
-    assert torch.equal(out.isnan(), want.isnan()) and out[1, rows // 2].isnan()
-    assert torch.equal(out.nan_to_num(), want.nan_to_num()) and out[0, rows - 1] == float("inf")
+    assert torch.equal(out[:2].isnan(), want.isnan()) and out[1, rows // 2].isnan()
+    assert torch.equal(out[:2].nan_to_num(), want.nan_to_num()) and out[0, rows - 1] == float("inf")
+    # rows 2, 3: each row's largest per-head L2 norm of the stored k and of the rotated q
+    norms = torch.stack([kc.view(-1, HKV, D)[slots].norm(dim=-1).amax(1),
+                         got[:, :HQ * D].view(rows, HQ, D).norm(dim=-1).amax(1)])
+    assert out[2, rows - 1] == float("inf")
+    assert torch.allclose(out[2:], norms, rtol=1e-5, equal_nan=True)
+    two = torch.full((2, rows), -1.0)                            # [2, T]: the absmax alone, the same
+    kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV, two)
+    assert torch.equal(two.nan_to_num(), out[:2].nan_to_num())
     plain = qkv.clone()                                          # the store itself is unchanged by measuring
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
     kern.rope_write(plain, cos[pos].contiguous(), sin[pos].contiguous(), kc2, vc2, slots, HQ, HKV)
     assert torch.equal(plain.nan_to_num(), got.nan_to_num()) and torch.equal(kc2.nan_to_num(), kc.nan_to_num())
-    for bad in (torch.zeros(2, rows + 1), torch.zeros(2, 2 * rows)[:, ::2], torch.zeros(2, rows, dtype=torch.float64)):
+    for bad in (torch.zeros(2, rows + 1), torch.zeros(2, 2 * rows)[:, ::2], torch.zeros(2, rows, dtype=torch.float64),
+                torch.zeros(3, rows)):
         with pytest.raises(RuntimeError, match="absmax"):
             kern.rope_write(qkv.clone(), cos[pos].contiguous(), sin[pos].contiguous(), kc, vc, slots, HQ, HKV, bad)
     kc16, vc16 = kc.bfloat16(), vc.bfloat16()

@@ -122,7 +122,7 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
     instrumentation.add_tap(engine, tap)
     n_big = instrumentation.DEFER_ROWS + 30
     engine.generate([[7, 8, 9] * (n_big // 3 + 1), [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
-    measured_by_store = engine.model_hooks.forward_kv_absmax() is not None     # the last forward's
+    measured_by_store = engine.model_hooks.forward_row_stats() is not None     # the last forward's
     instrumentation.remove_tap(engine, tap)
     assert measured_by_store == fused
     L = engine.model_config.num_layers

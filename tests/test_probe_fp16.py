@@ -352,7 +352,7 @@ def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny
             eng = engine(tiny_llama_dir, "float32")
             wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
             eng.generate(prompts(3, seed=5), GREEDY)
-            by_store.append(eng.model_hooks.forward_kv_absmax() is not None)
+            by_store.append(eng.model_hooks.forward_row_stats() is not None)
             df = wb.probe("fp16_overflow").frame()
             got.append(df[["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]].to_numpy())
     assert by_store == [eng.attn.fused_rope_write(torch.float32, eng.kv.k[0]), False] * 2

@@ -26,6 +26,11 @@ from ..events import AttentionRead, EventBus, KVWritten, now_ns
 # layer, the fp16 probe's judgement at the last one); each row's t_ns is still when its layer ran.
 DEFER_ROWS = 64
 
+# What a fused store measures of each row it writes (ModelHooks.kv_absmax_buffer), in this order:
+# max |K| and |V| (KVWritten, the fp16 probe), and the largest per-head L2 norm of K and of q (the
+# fp16 probe's score bound). NaN-propagating; K and q rotated (the norms RoPE keeps).
+ROW_STATS = ("k_absmax", "v_absmax", "k_head_norm", "q_head_norm")
+
 
 class ModelHooks:
     """Per-layer callbacks the model calls; each emits an event or feeds the taps that declared the
@@ -38,7 +43,7 @@ class ModelHooks:
         self.num_layers = engine.model_config.num_layers
         self.kv_bytes_per_page_layer = engine.kv.bytes_per_page // max(1, self.num_layers)
         self._deferred: list | None = None       # this forward's (type, row) per layer, when deferred
-        self._kvbuf = None                        # [L, 2, T]: each row's max |K|, |V|, by the fused store
+        self._kvbuf = None                        # [L, 4, T]: each row's ROW_STATS, by the fused store
         self._measured: list | None = None        # per layer: whether _kvbuf holds it
         self._memo = None                         # (layer, k, v, [2, T]) of a layer measured here
         self.set_taps([])
@@ -97,16 +102,16 @@ class ModelHooks:
         if active != self._active:
             self._build(active)
 
-    # ---- each row's max |K|, |V|: measured by the fused store where it runs, else here ------------
+    # ---- each row's ROW_STATS: measured by the fused store where it runs, else here ----------------
     def kv_absmax_buffer(self, t: int, num_layers: int):
-        """Before layer 0 (the model asks, where its store is fused): [L, 2, t] for the store to fill
-        with each row's max |K| and |V|, when someone reads them (the event log's KVWritten, a tap
+        """Before layer 0 (the model asks, where its store is fused): [L, 4, t] for the store to fill
+        with each row's ROW_STATS, when someone reads them (the event log's KVWritten, a tap
         declaring "kv_absmax"); else None."""
         self._memo = None
         if not (self._absmax_taps or self.bus.wants(KVWritten)):
             self._kvbuf = self._measured = None
             return None
-        self._kvbuf = torch.empty(num_layers, 2, t)
+        self._kvbuf = torch.empty(num_layers, len(ROW_STATS), t)
         self._measured = [False] * num_layers
         return self._kvbuf
 
@@ -114,7 +119,7 @@ class ModelHooks:
         """[2, T]: each row's max |K| and |V| at this layer (NaN-propagating): what the fused store
         measured, else one rows_absmax pass over k and v (kept for the layer's other readers)."""
         if self._measured is not None and self._measured[layer]:
-            return self._kvbuf[layer]
+            return self._kvbuf[layer, :2]
         memo = self._memo
         if memo is not None and memo[0] == layer and memo[1] is k and memo[2] is v:
             return memo[3]
@@ -122,8 +127,13 @@ class ModelHooks:
         self._memo = (layer, k, v, got)
         return got
 
-    def forward_kv_absmax(self):
-        """[L, 2, T] when the fused store measured every layer of this forward, else None."""
+    def row_stats(self, layer):
+        """[4, T]: each row's ROW_STATS at this layer as the fused store measured them, else None."""
+        return self._kvbuf[layer] if self._measured is not None and self._measured[layer] else None
+
+    def forward_row_stats(self):
+        """[L, 4, T] (ROW_STATS per layer and row) when the fused store measured every layer of this
+        forward, else None."""
         m = self._measured
         return self._kvbuf if m is not None and all(m) else None
 
@@ -171,7 +181,7 @@ class ModelHooks:
             return
         kv = [row for t, row in held if t is KVWritten]
         if kv:
-            stored = self._kvbuf.amax(2).tolist() if self._kvbuf is not None and kv[0][5] else None   # [L][2]
+            stored = self._kvbuf[:, :2].amax(2).tolist() if self._kvbuf is not None and kv[0][5] else None   # [L][2]
             rest = [r for r in kv if r[3] is not None]                     # not measured by the store
             k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
             v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}

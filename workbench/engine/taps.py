@@ -12,7 +12,9 @@ the per-layer path looks nothing up.
                   last layer only the sampled rows' (the model prunes the others: model.py)
 - "kv_absmax":    "kv", and each row's max |K| and |V| ready for the tap at each layer:
                   ModelHooks.kv_absmax(layer, k, v) -> [2, T] (a fused store measures them in the same
-                  pass, where it runs: no read of K and V of its own); forward_kv_absmax() -> [L, 2, T]
+                  pass, where it runs: no read of K and V of its own); and where the store measured
+                  them, row_stats(layer) -> [4, T] / forward_row_stats() -> [L, 4, T]: also each row's
+                  largest per-head L2 norm of K and of q (instrumentation.ROW_STATS), else None
 - "every_row_hidden": "hidden", and the last layer runs for every row so on_hidden sees all T rows
                   (costs ~3% of a prefill step's linears). A tap that wants that only on some
                   forwards also overrides reads_every_row() (asked once per forward, at the last

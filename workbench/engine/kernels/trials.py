@@ -226,15 +226,18 @@ def _helpers(mod) -> None:
     kv = torch.randn(5, 3, 40, generator=g)            # K and V as views of one q|k|v buffer: strided rows
     close(mod.rows_absmax([kv[:, 1], kv[:, 2, :24]]), torch.stack([kv[:, 1].abs().amax(1), kv[:, 2, :24].abs().amax(1)]),
           0, "rows_absmax")
-    # rope_write's measurement of each row's max |k|, |v| (what KVWritten and the fp16 probe read);
-    # cos 1, sin 0: the rotation is the identity, so the rows' own absmax is the answer
+    # rope_write's measurement of each row's max |k|, |v| and largest head norm of k and q (what
+    # KVWritten and the fp16 probe read); cos 1, sin 0: the rotation is the identity, so the rows'
+    # own figures are the answer
     hq, hkv, d = 2, 1, 8
     qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
-    want = torch.stack([qkv[:, hq * d:(hq + hkv) * d].abs().amax(1), qkv[:, (hq + hkv) * d:].abs().amax(1)])
-    out = torch.empty(2, 3)
+    k, v = qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
+    want = torch.stack([k.abs().amax(1), v.abs().amax(1), k.reshape(3, hkv, d).norm(dim=-1).amax(1),
+                        qkv[:, :hq * d].reshape(3, hq, d).norm(dim=-1).amax(1)])
+    out = torch.empty(4, 3)
     mod.rope_write(qkv, torch.ones(3, d), torch.zeros(3, d), torch.zeros(2, 4, hkv, d), torch.zeros(2, 4, hkv, d),
                    torch.tensor([0, 5, 2]), hq, hkv, out)
-    close(out, want, 0, "rope_write's absmax")
+    close(out, want, 1e-5, "rope_write's row figures")
     x[2, 7] = float("nan")
     if not math.isnan(mod.absmax(x)):
         raise Mismatch("absmax: a NaN in the input did not propagate")

@@ -532,9 +532,10 @@ static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan);
 // In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
 // as Hugging Face Llama; cos/sin [T, D] for each token's position), then store k and v at
 // slots[t] of the caches [num_pages, page_size, Hkv, D]. One pass instead of ~7 ops.
-// absmax (float32 q|k|v only): [2, T] float32, filled with each row's max |k| (rotated, as stored
-// before any cast) and max |v|, NaN-propagating, read while the row is in L1: what the event log's
-// KVWritten and the fp16 probe would otherwise read from memory again, a pass over K and V a layer.
+// absmax (float32 q|k|v only): [2, T] or [4, T] float32, filled with each row's max |k| (rotated, as
+// stored before any cast) and max |v|, and with [4, T] also its largest per-head L2 norm of k and of
+// q (rotated), all NaN-propagating, read while the row is in L1: what the event log's KVWritten and
+// the fp16 probe (its score bound) would otherwise read from memory again, a pass a layer.
 void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                 torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv,
                 const c10::optional<torch::Tensor>& absmax) {
@@ -562,10 +563,11 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   if (absmax.has_value()) {
     const auto& a = *absmax;
     TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.is_contiguous() && a.dim() == 2 &&
-                    a.size(0) == 2 && a.size(1) == t_n,
-                "rope_write: absmax is a contiguous float32 [2, T] and needs float32 q|k|v");
+                    (a.size(0) == 2 || a.size(0) == 4) && a.size(1) == t_n,
+                "rope_write: absmax is a contiguous float32 [2, T] or [4, T] and needs float32 q|k|v");
     am = a.data_ptr<float>();
   }
+  const bool norms = am != nullptr && absmax->size(0) == 4;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   auto body = [&](auto* base, auto* kc, auto* vc) {
@@ -584,6 +586,22 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
             bool nan = false;
             absmax_lanes(row + hq * d + u * kv, kv, &m, &nan);
             am[u * t_n + t] = nan ? NAN : m;
+          }
+          if (norms) {                      // rows 2, 3: max over k heads, then q heads, of ||head||
+            for (int u = 0; u < 2; ++u) {
+              const int64_t h0 = u == 0 ? hq : 0, h1 = u == 0 ? hq + hkv : hq;
+              float m = 0.f;
+              bool nan = false;
+              for (int64_t h = h0; h < h1; ++h) {
+                const float* x = row + h * d;
+                float ss = 0.f;
+                for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+                const float n = std::sqrt(ss);
+                nan |= (n != n);
+                m = n > m ? n : m;
+              }
+              am[(2 + u) * t_n + t] = nan ? NAN : m;
+            }
           }
         }
       }
