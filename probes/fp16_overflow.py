@@ -268,11 +268,12 @@ class FP16OverflowProbe(Probe):
     def _record_pages(self, step, K, V, batch) -> None:
         """Per page written this step, K's and V's max over its rows ([L, pages] each; NaN spreads)."""
         page_of = np.asarray(batch.slot_mapping.cpu()).astype(np.int64) // batch.page_size
-        uniq, inv = np.unique(page_of, return_inverse=True)
-        kp, vp = np.zeros((K.shape[0], len(uniq)), np.float32), np.zeros((K.shape[0], len(uniq)), np.float32)
-        np.maximum.at(kp.T, inv, K.T)        # row t of K.T (every layer) into its page's column
-        np.maximum.at(vp.T, inv, V.T)
-        self.pages.append((step, uniq, kp, vp))
+        order = np.argsort(page_of, kind="stable")
+        sorted_pages = page_of[order]
+        starts = np.flatnonzero(np.r_[True, sorted_pages[1:] != sorted_pages[:-1]])   # each page's first row
+        kp = np.maximum.reduceat(K[:, order], starts, axis=1)      # [L, pages]: max over the page's rows
+        vp = np.maximum.reduceat(V[:, order], starts, axis=1)
+        self.pages.append((step, sorted_pages[starts], kp, vp))
 
     def _judge(self, step, batch, tensors, stats, score) -> None:
         kmax, vmax, hmax, knf, vnf, hnf = stats[:6]
