@@ -93,22 +93,23 @@ class PageWriteLedger:
         strict: the ledger has watched every write since the pool was new, so a cached position
         whose slot was never written is a mismatch too (else: written before we watched, unjudged)."""
         ps, nslots = self.page_size, len(self.writer)
-        toks, poss, row_of, starts, s0, wrote = [], [], [], [], [], []
+        toks, row_of, starts, s0, wrote, dones = [], [], [], [], [], []
         verify = []                                         # (row, first position, end) to check
         off = 0
+        state, seed = self.state, self.seed
         for i, (rid, tokens, c, n, pages) in enumerate(rows):
-            done, s = self.state.get(rid, (0, self.seed))
+            done, s = state.get(rid, (0, seed))
             if c < done:                                    # recomputed from a preemption (or a repage)
-                done, s = 0, self.seed
+                done, s = 0, seed
             end = c + n
             if end <= done:
                 continue
             if done < c:
                 verify.append((i, done, c))
             toks.append(tokens[done:end])
-            poss.append(np.arange(done, end, dtype=np.int64))
             row_of.append(i)
             starts.append(off)
+            dones.append(done)
             s0.append(s)
             wrote.append((c - done, n, off))
             off += end - done
@@ -116,9 +117,10 @@ class PageWriteLedger:
             self.verified = []
             return []
         t = np.fromiter((x for seg in toks for x in seg), dtype=np.int64, count=off)
-        p = np.concatenate(poss)
-        fwd, inv = _POW.upto(int(p.max()) + 1)
         lens = np.diff(np.append(starts, off))
+        # each digested entry's position: its row's first undigested one, plus its place in the row
+        p = np.arange(off, dtype=np.int64) + np.repeat(np.asarray(dones, dtype=np.int64) - starts, lens)
+        fwd, inv = _POW.upto(int(p.max()) + 1)
         with np.errstate(over="ignore"):
             cs = np.cumsum((t + 1).astype(U64) * inv[p], dtype=U64)
             before = np.where(np.asarray(starts) > 0, cs[np.maximum(np.asarray(starts) - 1, 0)], U64(0))
@@ -152,7 +154,9 @@ class PageWriteLedger:
         total = sum(n for _, n, _ in wrote)
         sm = np.asarray(slot_mapping, dtype=np.int64)[:total] if slot_mapping is not None else None
         if sm is not None and len(sm) == total:
-            idx = np.concatenate([np.arange(a + skip, a + skip + n) for skip, n, a in wrote])
+            w = np.asarray(wrote, dtype=np.int64).reshape(-1, 3)          # (skip, n, start) per row
+            # this step's own entries: [start + skip, start + skip + n) of each row, in row order
+            idx = np.arange(total, dtype=np.int64) + np.repeat(w[:, 2] + w[:, 0] - (np.cumsum(w[:, 1]) - w[:, 1]), w[:, 1])
             rid_col = np.repeat(np.asarray([rows[i][0] for i in row_of], dtype=np.int64),
                                 [n for _, n, _ in wrote])
             ok = (sm >= 0) & (sm < nslots)
