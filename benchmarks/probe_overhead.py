@@ -11,7 +11,7 @@ switching it off (it is compiled into the step), so it is counted: every emissio
 site is one `bus.wants(EventType)` set lookup; we count the lookups per step in a
 counting run, time one lookup over 10^6 calls, and report lookups x cost / step time.
 
-    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 7]
+    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 11]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=7, help="repeats of (off, on, probes alone), the order "
+    ap.add_argument("--repeats", type=int, default=11, help="repeats of (off, on, probes alone), the order "
                                                            "reversed every other repeat; the median loss is the verdict")
     ap.add_argument("--tp-repeats", type=int, default=2, help="its TP part: alternating runs of each, best kept")
     ap.add_argument("--tp", type=int, default=2, help="also the rank_consistency probe at this tensor-parallel "
@@ -85,6 +85,11 @@ def main(argv=None):
         print(f"  {r.probe:16s} {r.calls:8d} calls {r.seconds * 1e3:8.1f} ms  {r.share_of_run:6.2%} of the run")
     print(f"  {'all':16s} {int(best.calls.sum()):8d} calls {best.seconds.sum() * 1e3:8.1f} ms  "
           f"{best.seconds.sum() / t_on:6.2%} of the run")
+    shares = np.array([c.seconds.sum() / t for c, t in zip(costs, on)])
+    log_share = event_log_share(engine, prompts, a.new_tokens)
+    print(f"accounted on the engine thread (a floor: not what it does to the work around it): the probes' "
+          f"callbacks {np.median(shares):.2%} of a run (median of {len(shares)}) + the event log's own work "
+          f"{log_share:.2%} = {np.median(shares) + log_share:.2%}")
 
     # plumbing with nothing attached: count bus.wants() calls per step
     calls = 0
@@ -109,6 +114,41 @@ def main(argv=None):
     if a.tp > 1:
         del engine                       # its memory back before the TP engine loads
         tp_overhead(prompts, a)
+
+
+def event_log_share(engine, prompts, new) -> float:
+    """What the event log itself costs the engine thread, in one log-only run: the model hooks it
+    wires in (per-layer KVWritten / AttentionRead rows) and every row it records, timed where they
+    run (only the outermost of nested calls counts). Timers wrap the methods for this run only."""
+    from workbench.engine.instrumentation import ModelHooks
+    from workbench.event_log import EventLog
+    spent, depth = [0], [0]
+
+    def timed(fn):
+        def wrapper(*args, **kw):
+            depth[0] += 1
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kw)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter_ns() - t0
+        return wrapper
+    patched = [(ModelHooks, m) for m in ("begin_forward", "kv_absmax_buffer", "on_kv", "on_attention", "on_hidden",
+                                         "end_forward")] + [(EventLog, "record_row")]
+    saved = [(cls, m, cls.__dict__[m]) for cls, m in patched]
+    for cls, m, fn in saved:
+        setattr(cls, m, timed(fn))
+    try:
+        wb = Workbench(engine, log=True)                  # the log and the workbench's own step record, no probe
+        t = run(engine, prompts, new)
+        wb.close()
+        wb.log.detach()
+    finally:
+        for cls, m, fn in saved:
+            setattr(cls, m, fn)
+    return spent[0] / 1e9 / t
 
 
 def tp_overhead(prompts, a) -> None:
