@@ -206,6 +206,12 @@ class ModelHooks:
         last layer for every row, not only for the sampled ones. Asked when the last layer begins."""
         return any(fn() for fn in self._every_row)
 
+    @property
+    def hidden_calls(self) -> list:
+        """Per layer, the taps that read its hidden state (in this forward's scope): the model calls
+        on_hidden only where one does (the event log alone reads none)."""
+        return self._hidden
+
     def on_hidden(self, layer, h, batch) -> None:
         """h: every row's hidden state after `layer`; after the last layer only the sampled rows'
         (batch.logits_indices) unless reads_hidden."""

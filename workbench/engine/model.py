@@ -217,7 +217,7 @@ class LlamaModel:
                 h = L.o.add(o, h)                                     # h + o_proj(o)
                 x = rms_norm(h, L.norm_mlp, cfg.rms_norm_eps)
                 h = L.down.add(L.up.mul(x, L.gate.silu(x)), h)         # h + down(silu(gate x) * up x)
-                if hooks is not None:
+                if hooks is not None and hooks.hidden_calls[i]:     # a tap reads this layer's hidden state
                     hooks.on_hidden(i, h, batch)
         except BaseException:
             batch.kv_absmax = None
