@@ -46,6 +46,7 @@ class ModelHooks:
         self._kvbuf = None                        # [L, 4, T]: each row's ROW_STATS, by the fused store
         self._measured: list | None = None        # per layer: whether _kvbuf holds it
         self._memo = None                         # (layer, k, v, [2, T]) of a layer measured here
+        self._step, self._want_kv, self._want_read, self._bt, self._read_bytes = 0, False, False, None, 0
         self.set_taps([])
 
     @property
@@ -91,6 +92,15 @@ class ModelHooks:
         forward; the call lists are rebuilt only when the answer changed."""
         self._deferred = [] if batch.input_ids.shape[0] <= DEFER_ROWS else None
         self._kvbuf = self._measured = self._memo = None       # kv_absmax_buffer() sets them for a fused store
+        # What every layer of this forward shares, looked up once (the per-layer calls run between
+        # the layers' kernels, where each Python line pays for cold caches): the step, what the bus
+        # wants per layer, the table object the kernels read and the bytes a layer's attention reads.
+        bus = self.bus
+        self._step = self.engine.step_count
+        self._want_kv, self._want_read = bus.wants(KVWritten), bus.wants(AttentionRead)
+        plan = batch.attn_plan
+        self._bt = self.engine.builder.block_tables
+        self._read_bytes = (plan.pages_read if plan is not None else 0) * self.kv_bytes_per_page_layer
         if not self._scoped:
             return
         active = [True] * len(self._declared)
@@ -141,14 +151,16 @@ class ModelHooks:
         """measured: the fused store filled kv_absmax_buffer's row for this layer."""
         if measured and self._measured is not None:
             self._measured[layer] = True
-        bus = self.bus
-        if bus.wants(KVWritten):
-            if self._deferred is not None:          # emitted after the last layer (end_forward)
-                kv = (None, None) if measured else (k, v)   # measured: nothing to keep alive
-                self._deferred.append((KVWritten, (self.engine.step_count, now_ns(), layer, *kv, int(k.shape[0]))))
+        if self._want_kv:
+            deferred = self._deferred
+            if deferred is not None:                # emitted after the last layer (end_forward)
+                if measured:                        # nothing to keep alive
+                    deferred.append((KVWritten, (self._step, now_ns(), layer, None, None, k.shape[0])))
+                else:
+                    deferred.append((KVWritten, (self._step, now_ns(), layer, k, v, k.shape[0])))
             else:           # K and V in one pass (rows_absmax) or the store's; the event object only for who takes objects
                 k_max, v_max = self.kv_absmax(layer, k, v).amax(1).tolist() if k.shape[0] else (0.0, 0.0)
-                bus.emit_row(KVWritten, (self.engine.step_count, now_ns(), layer, k_max, v_max, int(k.shape[0])))
+                self.bus.emit_row(KVWritten, (self._step, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)
@@ -160,17 +172,13 @@ class ModelHooks:
         if o is not None:
             for fn in self._out[layer]:
                 fn(layer, o, batch)
-        bus = self.bus
-        if bus.wants(AttentionRead):
-            bt = self.engine.builder.block_tables
-            plan = batch.attn_plan
-            pages = plan.pages_read if plan is not None else 0
-            row = (self.engine.step_count, now_ns(), layer, bt.version, bt.checksum,
-                   pages * self.kv_bytes_per_page_layer)
+        if self._want_read:                         # the version / checksum the table holds as this layer read it
+            bt = self._bt
+            row = (self._step, now_ns(), layer, bt.version, bt.checksum, self._read_bytes)
             if self._deferred is not None:
                 self._deferred.append((AttentionRead, row))
             else:
-                bus.emit_row(AttentionRead, row)
+                self.bus.emit_row(AttentionRead, row)
 
     def end_forward(self, batch) -> None:
         """After the last layer: the deferred per-layer events, in layer order, each stamped when its
