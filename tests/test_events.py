@@ -174,3 +174,38 @@ def test_a_forward_that_raises_still_emits_what_its_layers_measured_before_step_
     assert names == [("KVWritten", 0), ("AttentionRead", 0), ("KVWritten", 1), ("StepFailed", None)], names
     assert engine.model_hooks._deferred is None
     instrumentation.remove_tap(engine, tap)
+
+
+def test_emit_rows_reaches_every_kind_of_subscriber_in_order_and_the_log_in_one_call():
+    """emit_rows: a decode forward's per-layer rows at once. The event log (a `many` handler) gets
+    them in one call and keeps them exactly as one emit_row each would; a plain row subscriber and
+    an object subscriber get each in order; a failing `many` handler goes to on_error, the rest go on."""
+    from workbench.events import AttentionRead, KVWritten
+    items = []
+    for layer in range(3):
+        items += [(KVWritten, (7, 100 + layer, layer, 1.5 * layer, 2.0, 16)),
+                  (AttentionRead, (7, 101 + layer, layer, 3, 99, 4096))]
+    one, batch = EventBus(), EventBus()
+    log_one, log_batch = EventLog(one), EventLog(batch)
+    rows, objs, errors = [], [], []
+    batch.subscribe_rows([KVWritten, AttentionRead], lambda t, r: rows.append((t, r)))
+    batch.subscribe([KVWritten, AttentionRead], objs.append)
+    calls = []
+    orig = log_batch.record_rows
+    log_batch.record_rows = lambda got: (calls.append(len(got)), orig(got))
+    log_batch.detach()
+    log_batch.attach(batch)                                  # subscribes the counting many-handler
+    boom = lambda t, r: None                                 # noqa: E731
+    batch.subscribe_rows([KVWritten], boom, many=lambda got: 1 / 0)
+    batch.on_error = lambda fn, e, exc: errors.append((fn, type(e).__name__, type(exc).__name__))
+    for t, r in items:
+        one.emit_row(t, r)
+    batch.emit_rows(items)
+    assert calls == [len(items)]
+    assert rows == items and [(type(e), e.layer) for e in objs] == [(t, r[2]) for t, r in items]
+    for t in (KVWritten, AttentionRead):
+        assert log_batch.frame(t).equals(log_one.frame(t))
+    assert errors == [(boom, "KVWritten", "ZeroDivisionError")]
+    batch.unsubscribe(boom)
+    batch.emit_rows(items[:1])                               # the handler went with its subscriber
+    assert len(errors) == 1

@@ -71,7 +71,7 @@ class EventLog:
 
     def attach(self, bus: EventBus) -> None:
         self.bus = bus
-        bus.subscribe_rows(self._types, self.record_row)
+        bus.subscribe_rows(self._types, self.record_row, many=self.record_rows)
 
     def detach(self) -> None:
         if self.bus is not None:
@@ -94,6 +94,20 @@ class EventLog:
             n = self._counts[t] = self._counts[t] + 1
             if self.max_rows is not None and n > self.max_rows:
                 self._spill(t, self._flush(t))
+
+    def record_rows(self, items: list[tuple[type, tuple]]) -> None:
+        """record_row of each (type, row), in order, under one hold of the lock (EventBus.emit_rows)."""
+        with self._lock:
+            for t, row in items:
+                pend = self._pending.get(t)
+                if pend is None:
+                    pend = self._new_pending(t)
+                pend[0].append(self.seq)
+                self.seq += 1
+                pend[1].append(row if pend[2] is None else pend[2](row))
+                n = self._counts[t] = self._counts[t] + 1
+                if self.max_rows is not None and n > self.max_rows:
+                    self._spill(t, self._flush(t))
 
     def _new_pending(self, t: type) -> tuple:
         fields = self._fields[t]

@@ -269,6 +269,7 @@ class EventBus:
     def __init__(self) -> None:
         self._subs: dict[type, list[Callable[[Event], None]]] = {}
         self._row_subs: dict[type, list[Callable[[type, tuple], None]]] = {}
+        self._many: dict[Callable, Callable[[list], None]] = {}    # row subscriber -> its handler of many rows
         self._wanted: frozenset[type] = frozenset()
         self.on_error: Callable[[Callable, Event, BaseException], None] | None = None
         self.on_change: list[Callable[[], None]] = []     # told when the set of wanted types changes
@@ -281,17 +282,22 @@ class EventBus:
             self._subs.setdefault(t, []).append(fn)
         self._changed()
 
-    def subscribe_rows(self, etypes: type | Iterable[type], fn: Callable[[type, tuple], None]) -> None:
-        """fn(etype, row) for every event of these types; row: its field values in declaration order."""
+    def subscribe_rows(self, etypes: type | Iterable[type], fn: Callable[[type, tuple], None],
+                       many: Callable[[list], None] | None = None) -> None:
+        """fn(etype, row) for every event of these types; row: its field values in declaration order.
+        many: also takes a list of (etype, row) in one call, what emit_rows hands it."""
         for t in ([etypes] if isinstance(etypes, type) else etypes):
             _row_getter(t)                              # a type that is not a dataclass fails here, not later
             self._row_subs.setdefault(t, []).append(fn)
+        if many is not None:
+            self._many[fn] = many
         self._changed()
 
     def unsubscribe(self, fn: Callable) -> None:
         for fs in (*self._subs.values(), *self._row_subs.values()):
             while fn in fs:
                 fs.remove(fn)
+        self._many.pop(fn, None)
         self._changed()
 
     def _changed(self) -> None:
@@ -321,6 +327,34 @@ class EventBus:
         if subs:
             event = etype(*row)
             self._deliver(subs, (event,), event)
+
+    def emit_rows(self, items: list[tuple[type, tuple]]) -> None:
+        """emit_row(etype, row) of each item, in order. A row subscriber that gave subscribe_rows a
+        `many` handler gets its items in one call, in order (the event log: one lock for a decode
+        forward's per-layer rows, not one per row); the others as emit_row gives them."""
+        batches: dict = {}
+        many = self._many
+        for t, row in items:
+            if len(row) != _row_getter(t)[1]:
+                self.emit(t(*row))
+                continue
+            for fn in self._row_subs.get(t, ()):
+                if fn in many:
+                    batches.setdefault(fn, []).append((t, row))
+                else:
+                    self._deliver((fn,), (t, row), None)
+            subs = self._subs.get(t)
+            if subs:
+                event = t(*row)
+                self._deliver(subs, (event,), event)
+        for fn, got in batches.items():
+            try:
+                many[fn](got)
+            except Exception as e:
+                if self.on_error is None:
+                    raise
+                t, row = got[0]
+                self.on_error(fn, t(*row), e)
 
     def _deliver(self, fns, args: tuple, event) -> None:
         """fn(*args) for each subscriber; a subscriber never breaks the engine: its error goes to

@@ -195,9 +195,7 @@ class ModelHooks:
             v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
             done = iter([(s, t, l, *((k_max[l], v_max[l]) if k is not None else stored[l] if stored else (0.0, 0.0)), n)
                          for s, t, l, k, _, n in kv])
-        bus = self.bus
-        for t, row in held:
-            bus.emit_row(t, next(done) if t is KVWritten else row)
+        self.bus.emit_rows([(t, next(done) if t is KVWritten else row) for t, row in held])
 
     def forward_failed(self, batch) -> None:
         """A forward that raised: the rows its layers measured go out (a failed step's flight record
