@@ -85,29 +85,25 @@ class EventLog:
     def record_row(self, t: type, row: tuple) -> None:
         """record() of an event given as its field values (EventBus.subscribe_rows)."""
         with self._lock:
-            pend = self._pending.get(t)
-            if pend is None:
-                pend = self._new_pending(t)
-            pend[0].append(self.seq)
-            self.seq += 1
-            pend[1].append(row if pend[2] is None else pend[2](row))
-            n = self._counts[t] = self._counts[t] + 1
-            if self.max_rows is not None and n > self.max_rows:
-                self._spill(t, self._flush(t))
+            self._keep(t, row)
 
     def record_rows(self, items: list[tuple[type, tuple]]) -> None:
         """record_row of each (type, row), in order, under one hold of the lock (EventBus.emit_rows)."""
         with self._lock:
             for t, row in items:
-                pend = self._pending.get(t)
-                if pend is None:
-                    pend = self._new_pending(t)
-                pend[0].append(self.seq)
-                self.seq += 1
-                pend[1].append(row if pend[2] is None else pend[2](row))
-                n = self._counts[t] = self._counts[t] + 1
-                if self.max_rows is not None and n > self.max_rows:
-                    self._spill(t, self._flush(t))
+                self._keep(t, row)
+
+    def _keep(self, t: type, row: tuple) -> None:
+        """One row into t's pending rows (the lock held)."""
+        pend = self._pending.get(t)
+        if pend is None:
+            pend = self._new_pending(t)
+        pend[0].append(self.seq)
+        self.seq += 1
+        pend[1].append(row if pend[2] is None else pend[2](row))
+        n = self._counts[t] = self._counts[t] + 1
+        if self.max_rows is not None and n > self.max_rows:
+            self._spill(t, self._flush(t))
 
     def _new_pending(self, t: type) -> tuple:
         fields = self._fields[t]
