@@ -220,8 +220,9 @@ class FP16OverflowProbe(Probe):
         if stored is not None and stored.shape[2] == T:
             self._tk, self._tv, self._th = stored[:, 0], stored[:, 1], rows_absmax(self._th)
             if self.scores and self._qk[0] is not None:             # the model handed q: its rows' norms
-                qn = stored[:, 3] if self._all_rows else stored[:, 3].index_select(1, self._rows)
-                self._qk = list(torch.stack([qn.amax(1), stored[:, 2].amax(1)], 1))
+                s = stored.numpy()                                  # (the CPU kernel's buffer) [L, 4, T]
+                qn = s[:, 3] if self._all_rows else s[:, 3][:, self._rows.cpu().numpy()]
+                self._qk = np.stack([qn.max(1), s[:, 2].max(1)], 1)            # [L, 2], NaN-propagating
             return
         if all(h.shape[0] == T for h in self._th):          # one call over every layer's K, V and h
             kvh = rows_absmax(ks + self._tv + self._th)
@@ -243,7 +244,8 @@ class FP16OverflowProbe(Probe):
         parts = [K.max(1), V.max(1), H.max(1), (~np.isfinite(K)).sum(1), (~np.isfinite(V)).sum(1),
                  (~np.isfinite(H)).sum(1)]                                   # max: NaN-propagating, as amax
         if self.scores:
-            parts += list(np.asarray(torch.stack(self._qk).float().cpu()).T)
+            qk = self._qk if isinstance(self._qk, np.ndarray) else np.asarray(torch.stack(self._qk).float().cpu())
+            parts += list(qk.T)
         stats = np.stack(parts).astype(np.float64)
         kmax, vmax, hmax, knf, vnf, hnf = stats[:6]
         score = np.full(self._L, np.nan)

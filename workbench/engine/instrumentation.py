@@ -159,7 +159,7 @@ class ModelHooks:
                 else:
                     deferred.append((KVWritten, (self._step, now_ns(), layer, k, v, k.shape[0])))
             else:           # K and V in one pass (rows_absmax) or the store's; the event object only for who takes objects
-                k_max, v_max = self.kv_absmax(layer, k, v).amax(1).tolist() if k.shape[0] else (0.0, 0.0)
+                k_max, v_max = _row_max(self.kv_absmax(layer, k, v)) if k.shape[0] else (0.0, 0.0)
                 self.bus.emit_row(KVWritten, (self._step, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         if q is not None:
             for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
@@ -189,7 +189,9 @@ class ModelHooks:
             return
         kv = [row for t, row in held if t is KVWritten]
         if kv:
-            stored = self._kvbuf[:, :2].amax(2).tolist() if self._kvbuf is not None and kv[0][5] else None   # [L][2]
+            # [L][2] by numpy (NaN-propagating as amax): the buffer is the CPU kernel's, and a torch op
+            # here, cold after the last layer, cost ~100 us against ~10
+            stored = self._kvbuf.numpy()[:, :2].max(2).tolist() if self._kvbuf is not None and kv[0][5] else None
             rest = [r for r in kv if r[3] is not None]                     # not measured by the store
             k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
             v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
@@ -223,6 +225,12 @@ class ModelHooks:
         (batch.logits_indices) unless reads_hidden."""
         for fn in self._hidden[layer]:
             fn(layer, h, batch)
+
+
+def _row_max(t: torch.Tensor) -> list[float]:
+    """Each row's max (NaN-propagating) as floats: numpy's on a CPU tensor (one cold torch op between a
+    prefill's layers cost ~50-100 us), torch's elsewhere."""
+    return t.numpy().max(1).tolist() if t.device.type == "cpu" else t.amax(1).tolist()
 
 
 def pool_observer(bus: EventBus, clock):
