@@ -9,9 +9,13 @@ after each layer):
 - absmax of K, V (per token, then per layer and per page) and of the hidden state,
   headroom = absmax / 65504, and the tokens holding inf/NaN;
 - a cheap bound on the attention scores: scale * max|q| * max|k| (L2 norms per head;
-  RoPE keeps them), with q recomputed from the layer input for the last token of
-  each sequence only, and |k| over this and the 7 previous measured steps (the keys
-  decodes read are mostly older than the step).
+  RoPE keeps them), |q| for the last token of each sequence only (recomputed from the
+  layer input where the model does not hand q to its hooks), and |k| over this and the
+  7 previous measured steps (the keys decodes read are mostly older than the step).
+
+K's and V's per-token absmax and the head norms come from the fused store where it runs: it
+measures them as it writes each row (ModelHooks.kv_absmax / row_stats, the tap's need
+"kv_absmax"); elsewhere from one pass over the layer's K and V. The hidden states are read here.
 
 Severity follows what is actually stored in fp16: K/V over 65504 is an error in a
 plain float16 KV cache, info in an fp16_scaled one (the page scales absorb it) and a
@@ -28,10 +32,9 @@ Cost: measured every `every`-th step (default 4, counted from the first step see
 A measured step adds per layer a few reductions over K, V and h and a qkv matmul over
 one row per sequence, plus a device-to-host copy of the stats and one of the per-page
 maxima (page_history=0 turns the pages off) per measured step; an unmeasured step costs
-one Python call (forward_layers says: no layer). Measured on SmolLM2-135M (fp32, 8 decode streams, CPU time
-of one thread, median of 5 interleaved runs): 60.1 ms per decode step without the probe,
-69.9 ms measuring every step (66.9 ms with scores=False), 59.6 ms with every=4 (the
-expected ~+4% is below the run-to-run noise).
+one Python call (forward_layers says: no layer). On SmolLM2-135M, workload A of
+benchmarks/probe_overhead.py: ~0.6-0.7% of the run (every=4), ~15 ms of it the hidden states
+of the first measured forward, a 2048-token prefill.
 """
 from __future__ import annotations
 
