@@ -27,24 +27,37 @@ def _row_of_token(ref: PackingReference, tok: np.ndarray) -> np.ndarray:
 
 
 def _decode_native(g, ref: PackingReference, out: list) -> set:
+    """The compiled decode kernel's rows (token, batch row, context length each) and its tables. Judged
+    vectorised over every row (this runs every step); the per-row Python below runs only for a bad row."""
     tok, rows, lens = _np(g.tok), _np(g.rows), _np(g.lens)
-    for k in range(len(tok)):
+    b = len(ref.q_lens)
+    r_ok = (rows >= 0) & (rows < b)
+    rc = np.clip(rows, 0, max(b - 1, 0))
+    t_ok = (tok >= 0) & (tok < ref.num_tokens)
+    tc = np.clip(tok, 0, max(ref.num_tokens - 1, 0))
+    if b and ref.num_tokens:
+        row_ok = r_ok & t_ok & (tok == ref.cu_q[rc]) & (ref.seq_of_tok[tc] == rows)
+        len_ok = ~row_ok | (lens == ref.context_lens[rc])
+    else:
+        row_ok = len_ok = np.zeros(len(tok), dtype=bool)
+    for k in np.nonzero(~(row_ok & len_ok))[0].tolist():
         r = int(rows[k])
-        want_tok = int(ref.cu_q[r]) if 0 <= r < len(ref.q_lens) else None
-        if tok[k] != want_tok or not 0 <= tok[k] < ref.num_tokens or ref.seq_of_tok[tok[k]] != r:
+        if not row_ok[k]:
             out.append(Mismatch("plan", "plan.decode.rows", int(_row_of_token(ref, tok[k:k + 1])[0]), int(tok[k]),
                                 r, int(_row_of_token(ref, tok[k:k + 1])[0])))
-        elif lens[k] != ref.context_lens[r]:
+        else:
             out.append(Mismatch("plan", "plan.decode.lens", r, int(tok[k]), int(lens[k]), int(ref.context_lens[r])))
     tables = g.tables.detach().to("cpu").numpy().astype(np.int64)
-    for r in set(rows.tolist()):
-        if 0 <= r < len(ref.need) and r < tables.shape[0]:
-            n = min(int(ref.need[r]), tables.shape[1])
-            bad = np.nonzero(tables[r, :n] != ref.table[r, :n])[0]
-            if len(bad) and not ref.short[r]:
-                c = int(bad[0])
-                out.append(Mismatch("plan", "plan.decode.tables", r, c, int(tables[r, c]), int(ref.table[r, c])))
-    return set(rows.tolist())
+    seen = np.unique(rows)
+    at = seen[(seen >= 0) & (seen < min(len(ref.need), tables.shape[0]))]
+    w = min(tables.shape[1], ref.table.shape[1])
+    if len(at) and w:
+        cols = np.arange(w)[None, :] < np.minimum(ref.need[at], tables.shape[1])[:, None]
+        bad = (tables[at, :w] != ref.table[at, :w]) & cols & ~ref.short[at][:, None]
+        for i in np.nonzero(bad.any(axis=1))[0].tolist():
+            r, c = int(at[i]), int(np.argmax(bad[i]))
+            out.append(Mismatch("plan", "plan.decode.tables", r, c, int(tables[r, c]), int(ref.table[r, c])))
+    return set(seen.tolist())
 
 
 def _decode_group(g, ref: PackingReference, out: list) -> set:
