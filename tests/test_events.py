@@ -91,12 +91,13 @@ def test_the_event_log_module_imports_on_its_own():
         assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [True, False, "patched"])
 def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_not(engine, fused, monkeypatch):
     # a forward of <= DEFER_ROWS rows emits its KVWritten / AttentionRead rows after its last layer;
     # a bigger one at each layer. Either way each row is its layer's, measured on the K / V the
     # layer handed to the store, stamped when it ran: by the fused store as it wrote them (fused),
-    # or by the hooks' own reduction (the store unfused through its seam).
+    # or by the hooks' own reduction (the store unfused through its seam, or patched the way a user's
+    # wrapper that drops its return value is: the store then measured nothing the hooks can trust).
     import torch
 
     from workbench.engine import instrumentation
@@ -116,6 +117,9 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
         monkeypatch.setattr(engine.attn, "fuse_rope_write", False)
     elif not engine.attn.fused_rope_write(torch.float32, engine.kv.k[0]):
         pytest.skip("no fused store on this backend / build")
+    if fused == "patched":
+        real = engine.attn.rope_write
+        monkeypatch.setattr(engine.attn, "rope_write", lambda *a: (real(*a), None)[1])
     got: list = []
     engine.bus.subscribe([KVWritten, AttentionRead], got.append)
     tap = Truth()
@@ -124,7 +128,7 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
     engine.generate([[7, 8, 9] * (n_big // 3 + 1), [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
     measured_by_store = engine.model_hooks.forward_row_stats() is not None     # the last forward's
     instrumentation.remove_tap(engine, tap)
-    assert measured_by_store == fused
+    assert measured_by_store == (fused is True)
     L = engine.model_config.num_layers
     kv = [e for e in got if isinstance(e, KVWritten)]
     reads = [e for e in got if isinstance(e, AttentionRead)]
@@ -209,3 +213,68 @@ def test_emit_rows_reaches_every_kind_of_subscriber_in_order_and_the_log_in_one_
     batch.unsubscribe(boom)
     batch.emit_rows(items[:1])                               # the handler went with its subscriber
     assert len(errors) == 1
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_quiet_layers_stamp_their_rows_and_the_log_gets_the_same_rows(engine, patched, monkeypatch):
+    """With nothing but the log listening, no layer of a decode calls the hooks: the model stamps
+    each layer's store and read times, and end_forward builds the rows from the stamps and the store's
+    measurement. The rows equal those of the same run with a tap at every layer (which calls the hooks
+    at every layer), in the same order, each layer's store before its read."""
+    import torch
+
+    from workbench.engine import instrumentation
+    from workbench.engine.taps import ModelTap
+    from workbench.events import AttentionRead, KVWritten
+
+    if not engine.attn.fused_rope_write(torch.float32, engine.kv.k[0]):
+        pytest.skip("no fused store on this backend / build")
+
+    class Every(ModelTap):
+        needs = frozenset({"kv"})
+
+        def on_kv(self, layer, k, v, batch):
+            pass
+
+    def run(tap):
+        got: list = []
+        engine.bus.subscribe([KVWritten, AttentionRead], got.append)
+        if tap is not None:
+            instrumentation.add_tap(engine, tap)
+        quiet_seen = []
+        orig = engine.model_hooks.end_forward
+
+        def end_forward(batch):
+            quiet_seen.append(sum(engine.model_hooks.quiet))
+            return orig(batch)
+        engine.model_hooks.end_forward = end_forward
+        try:
+            engine.reset_prefix_cache()
+            engine.generate([[7, 8, 9] * 5, [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
+        finally:
+            del engine.model_hooks.end_forward
+            engine.bus.unsubscribe(got.append)
+            if tap is not None:
+                instrumentation.remove_tap(engine, tap)
+        return got, quiet_seen
+
+    loud, loud_q = run(Every())
+    if patched:          # a store that measures nothing the hooks trust: quiet layers still call on_kv
+        real = engine.attn.rope_write
+        monkeypatch.setattr(engine.attn, "rope_write", lambda *a: (real(*a), None)[1])
+    quiet, quiet_q = run(None)
+    L = engine.model_config.num_layers
+    assert max(loud_q) == 0 and max(quiet_q) == L                  # the quiet path did run
+    key = lambda e: (type(e).__name__, e.layer, getattr(e, "num_tokens", None),      # noqa: E731
+                     getattr(e, "k_absmax", None), getattr(e, "v_absmax", None), getattr(e, "bytes_read", None))
+    assert len(quiet) == len(loud) >= 4 * 2 * L
+    if patched:              # the hooks' own reduction against the store's: the same floats, or within rounding
+        for a, b in zip(quiet, loud):
+            assert key(a)[:3] == key(b)[:3] and key(a)[5] == key(b)[5]
+            if isinstance(a, KVWritten):
+                assert abs(a.k_absmax - b.k_absmax) <= 1e-6 * b.k_absmax and abs(a.v_absmax - b.v_absmax) <= 1e-6 * b.v_absmax
+    else:
+        assert [key(e) for e in quiet] == [key(e) for e in loud]
+    for f in range(len(quiet) // (2 * L)):
+        fwd = quiet[f * 2 * L:(f + 1) * 2 * L]
+        assert all(a.t_ns <= b.t_ns for a, b in zip(fwd, fwd[1:]))       # store, read, next layer ...

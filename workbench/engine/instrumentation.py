@@ -47,6 +47,10 @@ class ModelHooks:
         self._measured: list | None = None        # per layer: whether _kvbuf holds it
         self._memo = None                         # (layer, k, v, [2, T]) of a layer measured here
         self._step, self._want_kv, self._want_read, self._bt, self._read_bytes = 0, False, False, None, 0
+        self._bt_read = (0, 0)
+        self._loud = [False] * self.num_layers    # a forward whose per-layer rows go out at each layer
+        self.quiet = self._loud                   # per layer of this forward: the model only stamps times
+        self.kv_t = self.read_t = [0] * self.num_layers     # there, when its K / V was stored and read
         self.set_taps([])
 
     @property
@@ -70,7 +74,7 @@ class ModelHooks:
         key = tuple(active)
         got = self._built.get(key)
         if got is not None:
-            self._q, self._kv, self._out, self._hidden = got
+            self._q, self._kv, self._out, self._hidden, self._no_taps = got
             return
         L = self.num_layers
 
@@ -84,13 +88,16 @@ class ModelHooks:
         self._kv = per_layer({"kv", "kv_absmax"}, "on_kv")
         self._out = per_layer({"attention_out"}, "on_attention_out")
         self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
+        # per layer: no tap is called at its K / V or its attention output (a quiet layer when deferring)
+        self._no_taps = [not (self._q[l] or self._kv[l] or self._out[l]) for l in range(L)]
         if len(self._built) < 4096:
-            self._built[key] = (self._q, self._kv, self._out, self._hidden)
+            self._built[key] = (self._q, self._kv, self._out, self._hidden, self._no_taps)
 
     def begin_forward(self, batch) -> None:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
         forward; the call lists are rebuilt only when the answer changed."""
         self._deferred = [] if batch.input_ids.shape[0] <= DEFER_ROWS else None
+        self._big = False                                        # a bigger forward deferred (kv_absmax_buffer)
         self._kvbuf = self._measured = self._memo = None       # kv_absmax_buffer() sets them for a fused store
         # What every layer of this forward shares, looked up once (the per-layer calls run between
         # the layers' kernels, where each Python line pays for cold caches): the step, what the bus
@@ -101,16 +108,24 @@ class ModelHooks:
         plan = batch.attn_plan
         self._bt = self.engine.builder.block_tables
         self._read_bytes = (plan.pages_read if plan is not None else 0) * self.kv_bytes_per_page_layer
-        if not self._scoped:
-            return
-        active = [True] * len(self._declared)
-        for i, ask in self._scoped:
-            got = ask(batch)
-            if got is not True:
-                got = frozenset(got) if isinstance(got, (set, frozenset, list, tuple, range)) else frozenset()
-            active[i] = got
-        if active != self._active:
-            self._build(active)
+        self._bt_read = (self._bt.version, self._bt.checksum)
+        if self._scoped:
+            active = [True] * len(self._declared)
+            for i, ask in self._scoped:
+                got = ask(batch)
+                if got is not True:
+                    got = frozenset(got) if isinstance(got, (set, frozenset, list, tuple, range)) else frozenset()
+                active[i] = got
+            if active != self._active:
+                self._build(active)
+        # Quiet layers: no tap is called there, and their per-layer rows (if wanted) wait for
+        # end_forward. The model then only stamps the time there (kv_t / read_t: a list store, no
+        # Python call: a call between the layers' kernels cost ~8-15 us, cold) and calls on_kv
+        # only where the store did not measure the layer's K / V itself.
+        L = self.num_layers
+        self.quiet = self._no_taps if self._deferred is not None or not (self._want_kv or self._want_read) \
+            else self._loud
+        self.kv_t, self.read_t = [0] * L, [0] * L
 
     # ---- each row's ROW_STATS: measured by the fused store where it runs, else here ----------------
     def kv_absmax_buffer(self, t: int, num_layers: int):
@@ -123,6 +138,9 @@ class ModelHooks:
             return None
         self._kvbuf = torch.empty(num_layers, len(ROW_STATS), t)
         self._measured = [False] * num_layers
+        if self._deferred is None:          # a bigger forward: deferred too, its figures are in the buffer
+            self._deferred, self._big = [], True          # (a layer the store does not measure: reduced at once)
+            self.quiet = self._no_taps
         return self._kvbuf
 
     def kv_absmax(self, layer, k, v) -> torch.Tensor:
@@ -154,10 +172,14 @@ class ModelHooks:
         if self._want_kv:
             deferred = self._deferred
             if deferred is not None:                # emitted after the last layer (end_forward)
+                n = k.shape[0]
                 if measured:                        # nothing to keep alive
-                    deferred.append((KVWritten, (self._step, now_ns(), layer, None, None, k.shape[0])))
-                else:
-                    deferred.append((KVWritten, (self._step, now_ns(), layer, k, v, k.shape[0])))
+                    deferred.append((KVWritten, (self._step, now_ns(), layer, None, None, n)))
+                elif self._big:                     # too big to keep alive: its figures now
+                    k_max, v_max = _row_max(self.kv_absmax(layer, k, v)) if n else (0.0, 0.0)
+                    deferred.append((KVWritten, (self._step, now_ns(), layer, k_max, v_max, n)))
+                else:                               # reduced with the others at the end
+                    deferred.append((KVWritten, (self._step, now_ns(), layer, k, v, n)))
             else:           # K and V in one pass (rows_absmax) or the store's; the event object only for who takes objects
                 k_max, v_max = _row_max(self.kv_absmax(layer, k, v)) if k.shape[0] else (0.0, 0.0)
                 self.bus.emit_row(KVWritten, (self._step, now_ns(), layer, k_max, v_max, int(k.shape[0])))
@@ -185,6 +207,17 @@ class ModelHooks:
         layer ran; every layer's K and V absmax from one reduction each."""
         held, self._deferred = self._deferred, None
         self._memo = None
+        if held is None:
+            return
+        if self._measured is not None:      # a stamped quiet layer's K / V: the store measured them
+            for layer, t in enumerate(self.kv_t):
+                if t:
+                    self._measured[layer] = True
+        if not held and self._kvbuf is not None and all(self.quiet):    # every layer quiet: the common decode
+            self._emit_stamped()
+            return
+        if (self._want_kv or self._want_read) and any(self.quiet):     # the quiet layers' rows, in layer order
+            held = self._with_quiet_rows(held)
         if not held:
             return
         kv = [row for t, row in held if t is KVWritten]
@@ -192,12 +225,55 @@ class ModelHooks:
             # [L][2] by numpy (NaN-propagating as amax): the buffer is the CPU kernel's, and a torch op
             # here, cold after the last layer, cost ~100 us against ~10
             stored = self._kvbuf.numpy()[:, :2].max(2).tolist() if self._kvbuf is not None and kv[0][5] else None
-            rest = [r for r in kv if r[3] is not None]                     # not measured by the store
+            # each row's K / V: None (the store measured them), tensors to reduce now, or their figures
+            rest = [r for r in kv if isinstance(r[3], torch.Tensor)]
             k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
             v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
-            done = iter([(s, t, l, *((k_max[l], v_max[l]) if k is not None else stored[l] if stored else (0.0, 0.0)), n)
-                         for s, t, l, k, _, n in kv])
+            done = iter([(s, t, l, *((stored[l] if stored else (0.0, 0.0)) if k is None else
+                                     (k_max[l], v_max[l]) if isinstance(k, torch.Tensor) else (k, v)), n)
+                         for s, t, l, k, v, n in kv])
         self.bus.emit_rows([(t, next(done) if t is KVWritten else row) for t, row in held])
+
+    def _emit_stamped(self) -> None:
+        """Every layer quiet and measured by the store: the rows straight from the stamps and the
+        store's buffer, in layer order (what _with_quiet_rows and the absmax fill below give, in one pass)."""
+        step, n, (version, checksum), rb = self._step, self._kvbuf.shape[2], self._bt_read, self._read_bytes
+        stored = self._kvbuf.numpy()[:, :2].max(2).tolist() if n else None      # NaN-propagating, as amax
+        want_kv, want_read = self._want_kv, self._want_read
+        out = []
+        for layer, (kt, rt) in enumerate(zip(self.kv_t, self.read_t)):
+            if want_kv and kt:
+                out.append((KVWritten, (step, kt, layer, *(stored[layer] if stored else (0.0, 0.0)), n)))
+            if want_read and rt:
+                out.append((AttentionRead, (step, rt, layer, version, checksum, rb)))
+        if out:
+            self.bus.emit_rows(out)
+
+    def _with_quiet_rows(self, held: list) -> list:
+        """held (the rows of the layers that called on_kv / on_attention) with the quiet layers'
+        rows, all in layer order, KVWritten before AttentionRead at each layer. A quiet layer's
+        K / V absmax come from the store's buffer; its table version and checksum are the ones
+        bound when the forward began (nothing rebinds it mid-forward). A layer that did not run
+        (a forward that raised) has no stamp and no row."""
+        by_layer: dict = {}
+        for t, row in held:
+            by_layer.setdefault(row[2], []).append((t, row))
+        step, n, quiet = self._step, (self._kvbuf.shape[2] if self._kvbuf is not None else 0), self.quiet
+        version, checksum = self._bt_read
+        out = []
+        for layer in range(self.num_layers):
+            rows = by_layer.get(layer)
+            if rows is not None and not quiet[layer]:
+                out += rows
+                continue
+            rows = rows or []                       # a quiet layer unmeasured by the store called on_kv
+            if self._want_kv:
+                if self.kv_t[layer]:
+                    rows.append((KVWritten, (step, self.kv_t[layer], layer, None, None, n)))
+            if self._want_read and self.read_t[layer]:
+                rows.append((AttentionRead, (step, self.read_t[layer], layer, version, checksum, self._read_bytes)))
+            out += rows
+        return out
 
     def forward_failed(self, batch) -> None:
         """A forward that raised: the rows its layers measured go out (a failed step's flight record

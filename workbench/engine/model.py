@@ -7,6 +7,8 @@ over the activations is ~0.1-1 ms per layer at prefill sizes.
 """
 from __future__ import annotations
 
+from time import perf_counter_ns
+
 import torch
 import torch.nn.functional as F
 
@@ -175,11 +177,12 @@ class LlamaModel:
         rows = batch.logits_indices
         may_prune, pruned = self.prune_unsampled and rows.shape[0] < t, False
         last = len(self.layers) - 1
-        kvmax = None
+        kvmax = quiet = None
         if hooks is not None:
             hooks.begin_forward(batch)               # taps that read a few layers say which, once
             if fused and adt == torch.float32:       # the store measures each row's max |K|, |V| as it goes
                 kvmax = hooks.kv_absmax_buffer(t, len(self.layers))
+            quiet, kv_t, read_t = hooks.quiet, hooks.kv_t, hooks.read_t   # layers where only a time is taken
         try:
             for i, L in enumerate(self.layers):
                 x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
@@ -194,7 +197,10 @@ class LlamaModel:
                     k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)
                     v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, hd)
                     if hooks is not None:                # the values a probe sees are the ones stored
-                        hooks.on_kv(i, k, v, batch, q=q, measured=measured)
+                        if measured and quiet[i]:
+                            kv_t[i] = perf_counter_ns()
+                        else:
+                            hooks.on_kv(i, k, v, batch, q=q, measured=measured)
                 else:
                     if fused:                            # a non-contiguous qkv (bias layouts): unfused this layer
                         cos, sin = cos.to(adt).unsqueeze(1), sin.to(adt).unsqueeze(1)
@@ -207,7 +213,10 @@ class LlamaModel:
                     attn.write_kv(k, v, kv.k[i], kv.v[i], batch, plan)
                 o = attn.forward(q, k, v, kv.k[i], kv.v[i], batch, plan)
                 if hooks is not None:
-                    hooks.on_attention(i, batch, batch.block_tables, o)
+                    if quiet[i]:
+                        read_t[i] = perf_counter_ns()
+                    else:
+                        hooks.on_attention(i, batch, batch.block_tables, o)
                 o = o.reshape(t, hq * hd)
                 if widen:
                     o = o.to(self.dtype)
