@@ -19,7 +19,8 @@ from .invariants import MAX_REPORTED, Mismatch, PackingReference
 
 
 def _np(t) -> np.ndarray:
-    return t.detach().to("cpu").numpy().astype(np.int64).reshape(-1)
+    """t's values as int64 numpy, flat (a CPU tensor read in place before the cast: no device move)."""
+    return (t if t.device.type == "cpu" else t.detach().cpu()).detach().numpy().astype(np.int64).reshape(-1)
 
 
 def _row_of_token(ref: PackingReference, tok: np.ndarray) -> np.ndarray:
@@ -47,7 +48,7 @@ def _decode_native(g, ref: PackingReference, out: list) -> set:
                                 r, int(_row_of_token(ref, tok[k:k + 1])[0])))
         else:
             out.append(Mismatch("plan", "plan.decode.lens", r, int(tok[k]), int(lens[k]), int(ref.context_lens[r])))
-    tables = g.tables.detach().to("cpu").numpy().astype(np.int64)
+    tables = (g.tables if g.tables.device.type == "cpu" else g.tables.cpu()).detach().numpy().astype(np.int64)
     seen = np.unique(rows)
     at = seen[(seen >= 0) & (seen < min(len(ref.need), tables.shape[0]))]
     w = min(tables.shape[1], ref.table.shape[1])
