@@ -94,7 +94,7 @@ def test_the_event_log_module_imports_on_its_own():
 @pytest.mark.parametrize("fused", [True, False, "patched"])
 def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_not(engine, fused, monkeypatch):
     # a forward of <= DEFER_ROWS rows emits its KVWritten / AttentionRead rows after its last layer;
-    # a bigger one at each layer. Either way each row is its layer's, measured on the K / V the
+    # a bigger one too where the store measured it, else at each layer. Either way each row is its layer's, measured on the K / V the
     # layer handed to the store, stamped when it ran: by the fused store as it wrote them (fused),
     # or by the hooks' own reduction (the store unfused through its seam, or patched the way a user's
     # wrapper that drops its return value is: the store then measured nothing the hooks can trust).
@@ -126,7 +126,7 @@ def test_per_layer_events_carry_each_layers_absmax_in_layer_order_deferred_or_no
     instrumentation.add_tap(engine, tap)
     n_big = instrumentation.DEFER_ROWS + 30
     engine.generate([[7, 8, 9] * (n_big // 3 + 1), [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
-    measured_by_store = engine.model_hooks.forward_row_stats() is not None     # the last forward's
+    measured_by_store = engine.model_hooks.store_measured     # the last forward's
     instrumentation.remove_tap(engine, tap)
     assert measured_by_store == (fused is True)
     L = engine.model_config.num_layers
@@ -250,7 +250,8 @@ def test_quiet_layers_stamp_their_rows_and_the_log_gets_the_same_rows(engine, pa
         engine.model_hooks.end_forward = end_forward
         try:
             engine.reset_prefix_cache()
-            engine.generate([[7, 8, 9] * 5, [5] * 11], SamplingParams(max_tokens=4, ignore_eos=True))
+            engine.generate([[7, 8, 9] * 5, [5] * 11] + ([[3, 4] * 40] if long_prompt else []),
+                            SamplingParams(max_tokens=4, ignore_eos=True))
         finally:
             del engine.model_hooks.end_forward
             engine.bus.unsubscribe(got.append)
@@ -258,6 +259,7 @@ def test_quiet_layers_stamp_their_rows_and_the_log_gets_the_same_rows(engine, pa
                 instrumentation.remove_tap(engine, tap)
         return got, quiet_seen
 
+    long_prompt = True                                          # a forward over DEFER_ROWS rows too (deferred: measured)
     loud, loud_q = run(Every())
     if patched:          # a store that measures nothing the hooks trust: quiet layers still call on_kv
         real = engine.attn.rope_write
@@ -278,3 +280,36 @@ def test_quiet_layers_stamp_their_rows_and_the_log_gets_the_same_rows(engine, pa
     for f in range(len(quiet) // (2 * L)):
         fwd = quiet[f * 2 * L:(f + 1) * 2 * L]
         assert all(a.t_ns <= b.t_ns for a, b in zip(fwd, fwd[1:]))       # store, read, next layer ...
+
+
+def test_a_bf16_model_s_per_layer_rows_where_no_store_measures(tiny_llama_dir, monkeypatch):
+    """bf16 rows the hooks measure themselves (the store unfused through its seam), on a prefill over
+    DEFER_ROWS rows (emitted at each layer) and the decodes after it: every KVWritten row is the
+    layer's own K / V absmax, as a tap reduces them."""
+    import torch
+
+    from workbench.engine import instrumentation
+    from workbench.engine.taps import ModelTap
+    from workbench.events import KVWritten
+
+    eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=64, dtype="bfloat16"))
+    monkeypatch.setattr(eng.attn, "fuse_rope_write", False)
+
+    class Truth(ModelTap):
+        needs = frozenset({"kv"})
+
+        def __init__(self):
+            self.seen = []
+
+        def on_kv(self, layer, k, v, batch):
+            self.seen.append((layer, k.shape[0], float(k.float().abs().max()), float(v.float().abs().max())))
+
+    got: list = []
+    eng.bus.subscribe(KVWritten, got.append)
+    tap = Truth()
+    instrumentation.add_tap(eng, tap)
+    eng.generate([[3, 4] * 50], SamplingParams(max_tokens=3, ignore_eos=True))
+    instrumentation.remove_tap(eng, tap)
+    assert len(got) == len(tap.seen) and any(n > instrumentation.DEFER_ROWS for _, n, _, _ in tap.seen)
+    for e, (layer, n, km, vm) in zip(got, tap.seen):
+        assert (e.layer, e.num_tokens) == (layer, n) and e.k_absmax == km and e.v_absmax == vm

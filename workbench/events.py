@@ -330,8 +330,8 @@ class EventBus:
 
     def emit_rows(self, items: list[tuple[type, tuple]]) -> None:
         """emit_row(etype, row) of each item, in order. A row subscriber that gave subscribe_rows a
-        `many` handler gets its items in one call, in order (the event log: one lock for a decode
-        forward's per-layer rows, not one per row); the others as emit_row gives them."""
+        `many` handler gets its items in one call, in order, after the others have had each (the event
+        log: one lock for a forward's per-layer rows, not one per row); the others as emit_row gives them."""
         batches: dict = {}
         many = self._many
         for t, row in items:
@@ -348,8 +348,13 @@ class EventBus:
                 event = t(*row)
                 self._deliver(subs, (event,), event)
         for fn, got in batches.items():
+            handler = many.get(fn)
+            if handler is None:               # unsubscribed meanwhile (another thread): one at a time
+                for t, row in got:
+                    self._deliver((fn,), (t, row), None)
+                continue
             try:
-                many[fn](got)
+                handler(got)
             except Exception as e:
                 if self.on_error is None:
                     raise

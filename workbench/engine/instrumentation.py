@@ -21,7 +21,8 @@ from ..events import AttentionRead, EventBus, KVWritten, now_ns
 # reduction of [L, 2, T] at the end); where a layer was not measured so (no fused store: bf16 rows,
 # an fp16 cache, the torch path), its K / V are kept until then and reduced in one call: views, so
 # each keeps its layer's whole q|k|v buffer alive (64 rows x (Hq + 2 Hkv) x D floats a layer: ~7 MB
-# for SmolLM2's 30 layers, ~50 MB for an 8B model). Bigger forwards (prefill) emit at each layer.
+# for SmolLM2's 30 layers, ~50 MB for an 8B model). A bigger forward (prefill) is deferred too where the
+# store measures it (nothing to keep alive), else it emits at each layer.
 # So a decode's rows reach the bus after anything else its forward emitted (a probe's finding at a
 # layer, the fp16 probe's judgement at the last one); each row's t_ns is still when its layer ran.
 DEFER_ROWS = 64
@@ -62,7 +63,7 @@ class ModelHooks:
         per layer. The needs are the ones add_tap froze, whatever the tap's attribute says later."""
         self._declared = list(declared)
         self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
-        self._absmax_taps = any("kv_absmax" in n for _, n in self._declared)
+        self._absmax_needs = [("kv_absmax" in n) for _, n in self._declared]
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
         self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
@@ -74,7 +75,7 @@ class ModelHooks:
         key = tuple(active)
         got = self._built.get(key)
         if got is not None:
-            self._q, self._kv, self._out, self._hidden, self._no_taps = got
+            self._q, self._kv, self._out, self._hidden, self._no_taps, self._absmax_active = got
             return
         L = self.num_layers
 
@@ -90,8 +91,11 @@ class ModelHooks:
         self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
         # per layer: no tap is called at its K / V or its attention output (a quiet layer when deferring)
         self._no_taps = [not (self._q[l] or self._kv[l] or self._out[l]) for l in range(L)]
+        # a tap reading the row figures is called somewhere in this forward (the fp16 probe measuring)
+        self._absmax_active = any(need and a is not False and (a is True or len(a) > 0)
+                                  for need, a in zip(self._absmax_needs, active))
         if len(self._built) < 4096:
-            self._built[key] = (self._q, self._kv, self._out, self._hidden, self._no_taps)
+            self._built[key] = (self._q, self._kv, self._out, self._hidden, self._no_taps, self._absmax_active)
 
     def begin_forward(self, batch) -> None:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
@@ -133,10 +137,12 @@ class ModelHooks:
         with each row's ROW_STATS, when someone reads them (the event log's KVWritten, a tap
         declaring "kv_absmax"); else None."""
         self._memo = None
-        if not (self._absmax_taps or self.bus.wants(KVWritten)):
+        if not (self._absmax_active or self._want_kv):
             self._kvbuf = self._measured = None
             return None
-        self._kvbuf = torch.empty(num_layers, len(ROW_STATS), t)
+        # the head norms only for a tap that reads them; float32 on the CPU whatever torch's defaults
+        rows = len(ROW_STATS) if self._absmax_active else 2
+        self._kvbuf = torch.empty(num_layers, rows, t, dtype=torch.float32, device="cpu")
         self._measured = [False] * num_layers
         if self._deferred is None:          # a bigger forward: deferred too, its figures are in the buffer
             self._deferred, self._big = [], True          # (a layer the store does not measure: reduced at once)
@@ -157,13 +163,20 @@ class ModelHooks:
 
     def row_stats(self, layer):
         """[4, T]: each row's ROW_STATS at this layer as the fused store measured them, else None."""
-        return self._kvbuf[layer] if self._measured is not None and self._measured[layer] else None
+        ok = self._measured is not None and self._measured[layer] and self._kvbuf.shape[1] == len(ROW_STATS)
+        return self._kvbuf[layer] if ok else None
+
+    @property
+    def store_measured(self) -> bool:
+        """Whether the fused store measured every layer of this (or the last) forward."""
+        m = self._measured
+        return m is not None and all(m)
 
     def forward_row_stats(self):
         """[L, 4, T] (ROW_STATS per layer and row) when the fused store measured every layer of this
         forward, else None."""
         m = self._measured
-        return self._kvbuf if m is not None and all(m) else None
+        return self._kvbuf if m is not None and all(m) and self._kvbuf.shape[1] == len(ROW_STATS) else None
 
     def on_kv(self, layer, k, v, batch, q=None, measured: bool = False) -> None:
         """measured: the fused store filled kv_absmax_buffer's row for this layer."""
@@ -306,7 +319,9 @@ class ModelHooks:
 def _row_max(t: torch.Tensor) -> list[float]:
     """Each row's max (NaN-propagating) as floats: numpy's on a CPU tensor (one cold torch op between a
     prefill's layers cost ~50-100 us), torch's elsewhere."""
-    return t.numpy().max(1).tolist() if t.device.type == "cpu" else t.amax(1).tolist()
+    if t.device.type != "cpu":
+        return t.amax(1).tolist()
+    return (t if t.dtype == torch.float32 else t.float()).numpy().max(1).tolist()     # bf16 rows: numpy has no bf16
 
 
 def pool_observer(bus: EventBus, clock):

@@ -143,9 +143,17 @@ def proc_ticks() -> tuple[int, int, int] | None:
     open() each time cost ~25 us warm, several times that between steps."""
     global _STAT_FD
     try:
-        if _STAT_FD is None:
-            _STAT_FD = os.open("/proc/stat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        first = os.pread(_STAT_FD, 512, 0).split(b"\n", 1)[0]
+        with _STAT_LOCK:
+            if _STAT_FD is None:
+                _STAT_FD = os.open("/proc/stat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                first = os.pread(_STAT_FD, 512, 0).split(b"\n", 1)[0]
+            except OSError:               # the descriptor was closed under us (a daemonising fork): reopen
+                _STAT_FD = os.open("/proc/stat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                first = os.pread(_STAT_FD, 512, 0).split(b"\n", 1)[0]
+            if not first.startswith(b"cpu "):   # the number now names another file: reopen next time
+                _STAT_FD = None
+                return None
         v = [int(x) for x in first.split()[1:9]]
         t = os.times()
         ours = round((t.user + t.system) * _CLK_TCK)
@@ -158,6 +166,7 @@ def proc_ticks() -> tuple[int, int, int] | None:
 
 
 _STAT_FD: int | None = None
+_STAT_LOCK = threading.Lock()
 try:
     _CLK_TCK = os.sysconf("SC_CLK_TCK")
 except (ValueError, OSError, AttributeError):      # not a POSIX host: proc_ticks() is None there anyway

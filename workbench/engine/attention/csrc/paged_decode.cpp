@@ -562,7 +562,7 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   float* am = nullptr;
   if (absmax.has_value()) {
     const auto& a = *absmax;
-    TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.is_contiguous() && a.dim() == 2 &&
+    TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.device().is_cpu() && a.is_contiguous() && a.dim() == 2 &&
                     (a.size(0) == 2 || a.size(0) == 4) && a.size(1) == t_n,
                 "rope_write: absmax is a contiguous float32 [2, T] or [4, T] and needs float32 q|k|v");
     am = a.data_ptr<float>();
@@ -746,7 +746,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v with a float32 / bf16 cache, or bf16 "
-        "q|k|v with a bf16 cache, CPU); absmax: [2, T] float32 out, each row's max |k| and |v| (float32 q|k|v)",
+        "q|k|v with a bf16 cache, CPU); absmax: [2, T] float32 out, each row's max |k| and |v|, or [4, T] with its largest "
+        "per-head L2 norm of k and of q too (float32 q|k|v)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("hq"), py::arg("hkv"), py::arg("absmax") = py::none(),
         py::call_guard<py::gil_scoped_release>());
