@@ -175,8 +175,7 @@ class ModelHooks:
     def forward_row_stats(self):
         """[L, 4, T] (ROW_STATS per layer and row) when the fused store measured every layer of this
         forward, else None."""
-        m = self._measured
-        return self._kvbuf if m is not None and all(m) and self._kvbuf.shape[1] == len(ROW_STATS) else None
+        return self._kvbuf if self.store_measured and self._kvbuf.shape[1] == len(ROW_STATS) else None
 
     def on_kv(self, layer, k, v, batch, q=None, measured: bool = False) -> None:
         """measured: the fused store filled kv_absmax_buffer's row for this layer."""
@@ -226,9 +225,6 @@ class ModelHooks:
             for layer, t in enumerate(self.kv_t):
                 if t:
                     self._measured[layer] = True
-        if not held and self._kvbuf is not None and all(self.quiet):    # every layer quiet: the common decode
-            self._emit_stamped()
-            return
         if (self._want_kv or self._want_read) and any(self.quiet):     # the quiet layers' rows, in layer order
             held = self._with_quiet_rows(held)
         if not held:
@@ -246,21 +242,6 @@ class ModelHooks:
                                      (k_max[l], v_max[l]) if isinstance(k, torch.Tensor) else (k, v)), n)
                          for s, t, l, k, v, n in kv])
         self.bus.emit_rows([(t, next(done) if t is KVWritten else row) for t, row in held])
-
-    def _emit_stamped(self) -> None:
-        """Every layer quiet and measured by the store: the rows straight from the stamps and the
-        store's buffer, in layer order (what _with_quiet_rows and the absmax fill below give, in one pass)."""
-        step, n, (version, checksum), rb = self._step, self._kvbuf.shape[2], self._bt_read, self._read_bytes
-        stored = self._kvbuf.numpy()[:, :2].max(2).tolist() if n else None      # NaN-propagating, as amax
-        want_kv, want_read = self._want_kv, self._want_read
-        out = []
-        for layer, (kt, rt) in enumerate(zip(self.kv_t, self.read_t)):
-            if want_kv and kt:
-                out.append((KVWritten, (step, kt, layer, *(stored[layer] if stored else (0.0, 0.0)), n)))
-            if want_read and rt:
-                out.append((AttentionRead, (step, rt, layer, version, checksum, rb)))
-        if out:
-            self.bus.emit_rows(out)
 
     def _with_quiet_rows(self, held: list) -> list:
         """held (the rows of the layers that called on_kv / on_attention) with the quiet layers'
