@@ -1,21 +1,31 @@
 """What the probes cost: workload A with no probe vs every probe on, in one run.
 
-This host's speed drifts by several percent from one 5 s run to the next (the same code read 5.9%
-and 7.8% lost in back-to-back runs of min-of-5), so the verdict is the median over repeats of the
-loss within a repeat: each repeat runs off, on and the probes alone back to back, in an order that
-reverses every repeat (a drift over the repeat then tilts half the pairs each way). The min-of-N
-figures are printed beside it.
+The verdict pairs steps, not runs. Two engines load the same model and take the same workload;
+the workbench (every probe + the event log) sits on one of them, and the two step in turn, the
+order swapped every step, each step timed. Whatever the host does to its speed over a second
+(this one drifts by 8% from one 5 s run to the next, in CPU time as in wall time: the CPU itself
+runs slower) falls on both engines' steps alike, so the loss within a repeat,
+1 - (bare engine's time) / (probed engine's time), keeps only what the probes cost. The probed
+engine swaps every repeat (A, then B) and the verdict is the median over repeats. The garbage
+collector's passes are timed (gc.callbacks) and charged to the probed engine whichever step they
+fell in: its objects are most of what the collector walks, so the figure errs high, not low.
+(Until stop 50 the runs themselves were paired, back to back: 5 s apart, the same code read
+-18% to 33% in single repeats.)
+
+Beside the verdict: each probe's own callbacks (Probe.guard times them where they run) and an
+accounted floor, those callbacks plus the event log's own work, timed in a log-only run.
 
 Also the cost of the event plumbing with nothing attached. That cannot be timed by
 switching it off (it is compiled into the step), so it is counted: every emission
 site is one `bus.wants(EventType)` set lookup; we count the lookups per step in a
 counting run, time one lookup over 10^6 calls, and report lookups x cost / step time.
 
-    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 11]
+    .venv/bin/python benchmarks/probe_overhead.py [--requests 16] [--new-tokens 64] [--repeats 11] [--tp 1]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 import timeit
 
@@ -35,57 +45,105 @@ def run(engine, prompts, new):
     return time.perf_counter() - t
 
 
+class GcClock:
+    """Seconds the garbage collector has run since this was made (gc.callbacks)."""
+
+    def __init__(self):
+        self.spent, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.spent += time.perf_counter() - self._t0
+
+    def close(self):
+        gc.callbacks.remove(self._tick)
+
+
+def paired_steps(engines, prompts, new, repeats, log, desc, probes=True):
+    """Per repeat: the workbench (every probe when `probes`, the event log when `log`) on
+    engines[r % 2], the other bare; both take the workload, stepping in turn. Returns
+    (losses, the probed engine's seconds, the bare one's, each repeat's Workbench.costs() or None)."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    losses, on_s, off_s, costs = [], [], [], []
+    clock = GcClock()
+    try:
+        for r in tqdm(range(repeats), desc=desc):
+            on_e, off_e = engines[r % 2], engines[1 - r % 2]
+            wb = Workbench(on_e, log=log)
+            if probes:
+                wb.attach()
+            for e in (on_e, off_e):
+                e.reset_prefix_cache()           # every run computes its prompts: the workload stays workload A
+                for p in prompts:
+                    e.add_request(p, params)
+            spent = {id(on_e): 0.0, id(off_e): 0.0}
+            gc_spent, k = 0.0, 0
+            while on_e.has_unfinished() or off_e.has_unfinished():
+                for e in ((on_e, off_e) if k % 2 == 0 else (off_e, on_e)):
+                    if e.has_unfinished():
+                        g0, t0 = clock.spent, time.perf_counter()
+                        e.step()
+                        g = clock.spent - g0
+                        spent[id(e)] += time.perf_counter() - t0 - g
+                        gc_spent += g
+                k += 1
+            costs.append(wb.costs() if probes else None)
+            wb.close()                        # probes and the workbench's own subscription: the twin stays bare
+            if wb.log is not None:
+                wb.log.detach()
+            t_on, t_off = spent[id(on_e)] + gc_spent, spent[id(off_e)]
+            on_s.append(t_on)
+            off_s.append(t_off)
+            losses.append(1 - t_off / t_on)
+    finally:
+        clock.close()
+    return np.array(losses), np.array(on_s), np.array(off_s), costs
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=11, help="repeats of (off, on, probes alone), the order "
-                                                           "reversed every other repeat; the median loss is the verdict")
+    ap.add_argument("--repeats", type=int, default=11, help="repeats of the paired steps with every probe and the "
+                                                           "event log on; the median loss is the verdict")
+    ap.add_argument("--side-repeats", type=int, default=5, help="repeats of the same with the probes alone and "
+                                                               "with the event log alone")
     ap.add_argument("--tp-repeats", type=int, default=2, help="its TP part: alternating runs of each, best kept")
     ap.add_argument("--tp", type=int, default=2, help="also the rank_consistency probe at this tensor-parallel "
                                                   "size (1: skip)")
     a = ap.parse_args(argv)
     prompts = workload(a.requests)
-    engine = Engine.from_default(EngineConfig(num_pages=2048, max_num_batched_tokens=2048))
-    run(engine, workload(4, seed=1), 4)                    # warm-up
-    off, on, bare, costs = [], [], [], []
-
-    def run_off():
-        off.append(run(engine, prompts, a.new_tokens))
-
-    def run_on():
-        wb = Workbench(engine, log=True).attach()
-        on.append(run(engine, prompts, a.new_tokens))
-        costs.append(wb.costs())
-        wb.close()                    # probes and the workbench's own subscription: the next run is bare
-        wb.log.detach()
-
-    def run_bare():                                        # the probes alone: what the event log adds
-        nolog = Workbench(engine, log=False).attach()
-        bare.append(run(engine, prompts, a.new_tokens))
-        nolog.close()
-
-    for i in tqdm(range(a.repeats), desc="repeats"):
-        for fn in ((run_off, run_on, run_bare) if i % 2 == 0 else (run_bare, run_on, run_off)):
-            fn()
+    cfg = EngineConfig(num_pages=2048, max_num_batched_tokens=2048)
+    engines = (Engine.from_default(cfg), Engine.from_default(cfg))        # the probed one and its bare twin
+    for e in engines:
+        run(e, workload(4, seed=1), 4)                                     # warm-up
+    lost, on, off, costs = paired_steps(engines, prompts, a.new_tokens, a.repeats, True, "all probes + log")
+    lost_bare, *_ = paired_steps(engines, prompts, a.new_tokens, a.side_repeats, False, "probes alone")
+    lost_log, *_ = paired_steps(engines, prompts, a.new_tokens, a.side_repeats, True, "event log alone",
+                                probes=False)
     toks = a.requests * a.new_tokens
-    lost = np.array([1 - f / o for f, o in zip(off, on)])
-    lost_bare = np.array([1 - f / b for f, b in zip(off, bare)])
-    t_off, t_on = min(off), min(on)
-    print(f"no probe : {toks / t_off:7.1f} output tok/s (best {t_off:.2f} s)")
-    print(f"all probes + event log: {toks / t_on:7.1f} output tok/s (best {t_on:.2f} s)")
-    print(f"throughput lost with every probe on: median {np.median(lost):.1%} over {a.repeats} repeats "
-          f"(range {lost.min():.1%} to {lost.max():.1%}; best against best {1 - t_off / t_on:.1%}) (target <= 5%)")
-    print(f"  of which the probes alone (no event log): median {np.median(lost_bare):.1%} "
-          f"(best against best {1 - t_off / min(bare):.1%})")
-    best = costs[on.index(t_on)]                           # each probe's own callbacks, timed where they run
-    best["share_of_run"] = best["seconds"] / t_on
-    print("time inside each probe's callbacks in that run (Probe.guard times them):")
+    rng = lambda x: f"range {x.min():.1%} to {x.max():.1%}"
+    print(f"no probe : {toks / np.median(off):7.1f} output tok/s (median of its steps' time over repeats, "
+          f"{np.median(off):.2f} s)")
+    print(f"all probes + event log: {toks / np.median(on):7.1f} output tok/s ({np.median(on):.2f} s)")
+    print(f"throughput lost with every probe on: median {np.median(lost):.1%} over {a.repeats} repeats of paired "
+          f"steps ({rng(lost)}) (target <= 5%)")
+    print(f"  the probes alone (no event log): median {np.median(lost_bare):.1%} ({rng(lost_bare)}); "
+          f"the event log alone: median {np.median(lost_log):.1%} ({rng(lost_log)})")
+    i = int(np.argsort(lost)[len(lost) // 2])                # the median repeat's callbacks
+    best = costs[i]
+    best["share_of_run"] = best["seconds"] / on[i]
+    print("time inside each probe's callbacks in the median repeat (Probe.guard times them):")
     for r in best.sort_values("seconds", ascending=False).itertuples():
         print(f"  {r.probe:16s} {r.calls:8d} calls {r.seconds * 1e3:8.1f} ms  {r.share_of_run:6.2%} of the run")
     print(f"  {'all':16s} {int(best.calls.sum()):8d} calls {best.seconds.sum() * 1e3:8.1f} ms  "
-          f"{best.seconds.sum() / t_on:6.2%} of the run")
+          f"{best.seconds.sum() / on[i]:6.2%} of the run")
     shares = np.array([c.seconds.sum() / t for c, t in zip(costs, on)])
+    engine = engines[1]
+    del engines
     log_share = event_log_share(engine, prompts, a.new_tokens)
     print(f"accounted on the engine thread (a floor: not what it does to the work around it): the probes' "
           f"callbacks {np.median(shares):.2%} of a run (median of {len(shares)}) + the event log's own work "
@@ -101,7 +159,7 @@ def main(argv=None):
         return real(t)
     engine.bus.wants = counting
     steps0 = engine.step_count
-    run(engine, prompts, a.new_tokens)
+    t_off = run(engine, prompts, a.new_tokens)
     steps = engine.step_count - steps0
     del engine.bus.wants
     bus = EventBus()
