@@ -35,6 +35,10 @@ maxima (page_history=0 turns the pages off) per measured step; an unmeasured ste
 one Python call (forward_layers says: no layer). On SmolLM2-135M, workload A of
 benchmarks/probe_overhead.py: ~0.6-0.7% of the run (every=4), ~15 ms of it the hidden states
 of the first measured forward, a 2048-token prefill.
+
+Kept: one entry per measured step (its per-layer arrays; frame() spreads them into a row per
+layer), at most `max_history` rows (100,000: the older half dropped past it), and the per-page
+maxima of the last `page_history` measured steps (64).
 """
 from __future__ import annotations
 
@@ -86,13 +90,21 @@ class FP16OverflowProbe(Probe):
     description = "per layer / page absmax of K, V, hidden states and scores against fp16's 65504"
 
     def __init__(self, every: int = 4, warn_headroom: float = 0.5, scores: bool = True,
-                 page_history: int = 64, **params):
+                 page_history: int = 64, max_history: int = 100_000, **params):
         super().__init__(every=every, warn_headroom=warn_headroom, scores=scores,
-                         page_history=page_history, **params)
+                         page_history=page_history, max_history=max_history, **params)
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
+        if not isinstance(max_history, int) or max_history < 1:
+            raise ValueError(f"max_history must be a positive int (frame() rows kept), got {max_history!r}")
         self.every, self.warn_headroom, self.scores = every, warn_headroom, scores
+        self.max_history = max_history
         self.pages = deque(maxlen=page_history)   # (step, page ids, K max [L, P], V max [L, P])
+        # One entry per measured step, its per-layer figures as arrays (frame() spreads them into one
+        # row per layer): no 30 dicts a measured step, and bounded (a probe must not become the leak
+        # it hunts: the rows grew without limit until stop 51).
+        self._measured: list[tuple] = []
+        self._measured_rows = 0
         self.measured_steps = 0
         self._first_step = None
         self._active = False
@@ -119,6 +131,8 @@ class FP16OverflowProbe(Probe):
         super().reset()
         self.pages.clear()
         self._k_norms.clear()
+        self._measured.clear()
+        self._measured_rows = 0
         self.measured_steps = 0
 
     # ---- taps (inside Model.forward) -----------------------------------------------
@@ -259,13 +273,12 @@ class FP16OverflowProbe(Probe):
         T = K.shape[1]
         with np.errstate(invalid="ignore"):
             headroom = np.fmax(np.fmax(kmax, vmax), hmax) / FP16_MAX
-        for l in range(self._L):
-            self.rows.append({
-                "step": step, "layer": l, "k_absmax": kmax[l], "v_absmax": vmax[l], "hidden_absmax": hmax[l],
-                "score_bound": score[l], "headroom": headroom[l],
-                "kv_headroom": np.fmax(kmax[l], vmax[l]) / FP16_MAX, "hidden_headroom": hmax[l] / FP16_MAX,
-                "k_nonfinite": int(knf[l]), "v_nonfinite": int(vnf[l]), "hidden_nonfinite": int(hnf[l]),
-                "tokens": T})
+        self._measured.append((step, T, kmax, vmax, hmax, score, headroom, knf, vnf, hnf))
+        self._measured_rows += self._L
+        if self._measured_rows > self.max_history:      # the older half goes
+            drop = len(self._measured) // 2
+            self._measured_rows -= sum(len(m[2]) for m in self._measured[:drop])
+            del self._measured[:drop]
         if self.pages.maxlen:
             self._record_pages(step, K, V, batch)
         self._judge(step, batch, (K, V, H), stats, score)
@@ -363,6 +376,28 @@ class FP16OverflowProbe(Probe):
                     request_id=seq.request_id, evidence=evidence)
 
     # ---- views -------------------------------------------------------------------------
+    COLUMNS = ["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "headroom", "kv_headroom",
+               "hidden_headroom", "k_nonfinite", "v_nonfinite", "hidden_nonfinite", "tokens"]
+
+    def frame(self):
+        """One row per (measured step, layer): K, V and hidden absmax, the score bound, their headroom
+        (absmax / 65504) and non-finite counts, and the step's token count."""
+        import pandas as pd
+        if not self._measured:
+            return pd.DataFrame(columns=self.COLUMNS)
+        cols = list(zip(*self._measured))
+        n = [len(k) for k in cols[2]]
+        cat = lambda i: np.concatenate(cols[i])                      # noqa: E731
+        kmax, vmax, hmax = cat(2), cat(3), cat(4)
+        with np.errstate(invalid="ignore"):
+            kv = np.fmax(kmax, vmax)
+        return pd.DataFrame({
+            "step": np.repeat(cols[0], n), "layer": np.concatenate([np.arange(k) for k in n]),
+            "k_absmax": kmax, "v_absmax": vmax, "hidden_absmax": hmax, "score_bound": cat(5), "headroom": cat(6),
+            "kv_headroom": kv / FP16_MAX, "hidden_headroom": hmax / FP16_MAX,
+            "k_nonfinite": cat(7).astype(np.int64), "v_nonfinite": cat(8).astype(np.int64),
+            "hidden_nonfinite": cat(9).astype(np.int64), "tokens": np.repeat(cols[1], n)}, columns=self.COLUMNS)
+
     def page_frame(self):
         """Per (measured step, layer, page written): K and V absmax and their headroom."""
         import pandas as pd

@@ -321,7 +321,7 @@ def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
                                                   int(eng.last_batch.logits_indices.shape[0]))),
                                      real_add(x, other))[1]
         eng.generate(prompts(4), GREEDY)
-        measured = {r["step"] for r in probe.rows}
+        measured = set(probe.frame()["step"].tolist())
         partial = [(step, rows, t, s) for step, rows, t, s in seen if s < t]      # steps with unsampled rows
         assert any(step in measured for step, *_ in partial)
         if budget <= STASH_ROWS:
@@ -329,7 +329,8 @@ def test_measured_steps_see_every_rows_last_hidden_state(tiny_llama_dir):
         for step, rows, t, s in partial:
             keeps_all = step in measured and t <= STASH_ROWS
             assert rows == (t if keeps_all else s), (budget, step, rows, t, s)
-        last = [r for r in probe.rows if r["layer"] == eng.model_config.num_layers - 1]
+        last = probe.frame().to_dict("records")
+        last = [r for r in last if r["layer"] == eng.model_config.num_layers - 1]
         assert last and all(r["tokens"] > 0 and np.isfinite(r["hidden_absmax"]) and r["hidden_absmax"] > 0
                             for r in last)
         if budget > STASH_ROWS:
@@ -359,3 +360,24 @@ def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny
     assert all(g.shape == got[0].shape for g in got) and len(got[0]) > 0
     for g in got[1:]:
         assert np.allclose(got[0], g, rtol=1e-6, equal_nan=True)
+
+
+def test_the_measured_history_is_bounded_and_keeps_the_latest_steps(tiny_llama_dir):
+    """A probe must not become the leak it hunts: frame()'s rows stay within max_history (the older
+    half dropped), the newest measured steps kept, one row per layer each; a bad bound is refused."""
+    eng = engine(tiny_llama_dir, "float16")
+    L = eng.model_config.num_layers
+    with pytest.raises(ValueError, match="max_history"):
+        Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"max_history": 0})
+    wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1, "max_history": 5 * L})
+    probe = wb.probe("fp16_overflow")
+    eng.generate(prompts(2), GREEDY)
+    steps = eng.step_count
+    assert probe.measured_steps == steps > 5                        # every step measured, more than it keeps
+    df = probe.frame()
+    assert 0 < len(df) <= 5 * L and len(df) % L == 0
+    assert df["step"].max() == steps and sorted(set(df["step"])) == list(range(steps - len(df) // L + 1, steps + 1))
+    assert (df.groupby("step")["layer"].apply(sorted) == [list(range(L))] * (len(df) // L)).all()
+    assert df[["k_absmax", "v_absmax", "hidden_absmax"]].notna().all().all()
+    probe.reset()
+    assert probe.frame().empty and list(probe.frame().columns) == probe.COLUMNS
