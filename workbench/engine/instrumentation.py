@@ -92,8 +92,8 @@ class ModelHooks:
         # per layer: no tap is called at its K / V or its attention output (a quiet layer when deferring)
         self._no_taps = [not (self._q[l] or self._kv[l] or self._out[l]) for l in range(L)]
         # a tap reading the row figures is called somewhere in this forward (the fp16 probe measuring)
-        self._absmax_active = any(need and a is not False and (a is True or len(a) > 0)
-                                  for need, a in zip(self._absmax_needs, active))
+        # (each tap's entry: True, every layer, or the frozenset of its layers: truthy when it reads one)
+        self._absmax_active = any(need and bool(a) for need, a in zip(self._absmax_needs, active))
         if len(self._built) < 4096:
             self._built[key] = (self._q, self._kv, self._out, self._hidden, self._no_taps, self._absmax_active)
 
