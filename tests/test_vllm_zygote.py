@@ -75,3 +75,21 @@ def test_a_result_line_is_found_behind_another_threads_unfinished_line(zygote):
     assert driver.result_of("no result\n") is None
     # a line that only mentions one (a log line) is skipped, not fatal; the real one after it counts
     assert driver.result_of('INFO a RESULT {not json} here\nRESULT {"steps": 3}\n') == {"steps": 3}
+
+
+def test_a_run_inherits_the_frozen_heap_and_the_compilers_answers(zygote):
+    # what the zygote worked out once (zygote.preload) reaches each run from its fork: the run below
+    # cannot start a process or hash a file, and the ISA and source keys still come back (the cached
+    # answers; without them both raise); the heap it was forked with is frozen for the collector
+    code = ("import gc, subprocess\n"
+            "import torch._inductor.codecache as cc\n"
+            "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
+            "def refuse(*a, **k):\n"
+            "    raise RuntimeError('the run worked it out again')\n"
+            "subprocess.run = subprocess.check_output = subprocess.Popen = cc.build_code_hash = refuse\n"
+            "print('ISA', pick_vec_isa(), 'KEY', len(cc.torch_key()))\n"
+            "print('FROZEN', gc.get_freeze_count())\n")
+    r = zygote.run(code, [], dict(os.environ), 60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "KEY 32" in r.stdout, r.stdout                                     # torch_key: a sha256
+    assert int(r.stdout.split("FROZEN")[1].split()[0]) > 100_000, r.stdout       # vLLM + torch: ~10^6 objects
