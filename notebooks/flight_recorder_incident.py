@@ -22,20 +22,20 @@
 # full attention): vLLM gives it two KV cache groups in one block pool, as it does for Gemma-3 or Mistral models.
 
 # %%
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 from workbench import Workbench
-from workbench.adapters.vllm.driver import fault_file, run_inproc
-from workbench.adapters.vllm.server import ROOT, vllm_python
+from workbench.adapters.vllm.driver import fault_file, run_inproc, run_python
 
 pd.set_option("display.max_colwidth", 160)
 work = Path(tempfile.mkdtemp(prefix="incident-"))
 model = work / "hybrid-model"
-subprocess.run([str(vllm_python()), "-m", "workbench.adapters.vllm.tiny_model", "--hybrid", str(model)],
-               cwd=str(ROOT), check=True, capture_output=True)
+# written by transformers in vLLM's environment (run_python: as `python -c` there, in a forked process)
+written = run_python("import sys\nfrom workbench.adapters.vllm.tiny_model import write_tiny_model_dir\n"
+                     "write_tiny_model_dir(sys.argv[1], hybrid=True)", str(model))
+assert written.returncode == 0, written.stderr[-2000:]
 print("model:", model)
 
 # %% [markdown]

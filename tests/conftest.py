@@ -51,8 +51,8 @@ def vllm_models(tmp_path_factory) -> dict:
     by transformers in the vLLM environment: "plain" (2 layers of full attention), "hybrid" (a
     sliding-window layer and a full one: two KV cache groups), "sliding" (both sliding-window), "chunked"
     (a Llama 4 text model: a chunked-local layer and a global one)."""
-    import subprocess
-    from workbench.adapters.vllm.server import ROOT, vllm_python
+    from workbench.adapters.vllm.driver import run_python
+    from workbench.adapters.vllm.server import vllm_python
     if not vllm_python().exists():
         pytest.skip(f"no vLLM environment at {vllm_python()} (make vllm installs it)")
     out = tmp_path_factory.mktemp("vllm-models")
@@ -60,8 +60,7 @@ def vllm_models(tmp_path_factory) -> dict:
             "for kind in ('plain', 'hybrid', 'sliding', 'chunked'):\n"
             "    write(f'{sys.argv[1]}/{kind}', hybrid=kind == 'hybrid', sliding=kind == 'sliding',\n"
             "          chunked=kind == 'chunked')\n")
-    p = subprocess.run([str(vllm_python()), "-c", code, str(out)], cwd=str(ROOT), capture_output=True, text=True,
-                       timeout=300)
+    p = run_python(code, str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     return {kind: str(out / kind) for kind in ("plain", "hybrid", "sliding", "chunked")}
 

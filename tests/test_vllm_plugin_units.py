@@ -12,8 +12,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from pathlib import Path
-
 from workbench.adapters.vllm import settings
 from workbench.adapters.vllm.faults import read_fault_file
 import numpy as np
@@ -301,7 +299,6 @@ def test_status_command_says_when_nothing_is_heard(capsys):
     assert "binds only 127.0.0.1" in capsys.readouterr().err
 
 
-ROOT = Path(__file__).resolve().parents[1]
 SEAMS_PROBE = r'''
 import json, sys
 from vllm.v1.core import kv_cache_utils
@@ -328,14 +325,13 @@ print("RESULT " + json.dumps({
 @pytest.mark.parametrize("with_fault_file", [False, True])
 def test_fault_seams_are_installed_only_with_a_fault_file(tmp_path, with_fault_file):
     import json
-    import subprocess
+    from workbench.adapters.vllm.driver import run_python
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
     env["PAGEDKV_VLLM_SANITIZER"] = "tcp://127.0.0.1:5599"
     if with_fault_file:
         (tmp_path / "f.json").write_text('{"faults": []}')
         env["PAGEDKV_VLLM_FAULT_FILE"] = str(tmp_path / "f.json")
-    p = subprocess.run([str(vllm_python()), "-c", SEAMS_PROBE], cwd=str(ROOT), env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = run_python(SEAMS_PROBE, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.loads(lines[-1][7:])

@@ -380,7 +380,7 @@ print(json.dumps(bad[:5]))
 def test_the_ledgers_window_rules_and_kernel_mapping_match_vllms_code(V):
     # the ledger recomputes which blocks a group may free (GroupRule) and the worker which kernel blocks
     # the kernel reads (kernel_pages); both must agree with vLLM's own functions on every input tried
-    out = subprocess.run([str(vllm_python()), "-c", RULES], cwd=str(ROOT), capture_output=True, text=True,
-                         timeout=300)
+    from workbench.adapters.vllm.driver import run_python
+    out = run_python(RULES)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
