@@ -94,6 +94,7 @@ def test_a_soak_ends_every_request_with_bounded_structures_flat_rss_and_the_disk
     try:
         r = run_inproc("--model", vllm_models["plain"], "--requests", str(n), "--max-tokens", "16",
                        "--max-num-seqs", "32", "--abort-every", "9", "--num-blocks", "400", "--max-steps", "200000",
+                       "--teardown",                  # the one test run that ends with vLLM's own teardown
                        env={"PAGEDKV_RECORD_DIR": str(rec), "PAGEDKV_RECORD_BUNDLES": "2", "PAGEDKV_RECORD_MAX_MB": "8",
                             "PAGEDKV_VLLM_SANITIZER": addr},
                        pre=SAMPLER, timeout_s=1200, listen=False)

@@ -136,14 +136,15 @@ def _run(code: str, args: tuple, env: dict, timeout_s: float) -> subprocess.Comp
 def run_inproc(*args: str, env: dict | None = None, pre: str = "", listen: bool = True,
                timeout_s: float = 300) -> Run:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    lis = SanitizerListener(addr) if listen else None
+    lis = SanitizerListener(addr, poll_ms=20) if listen else None      # closed at once when the run is done
     e = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_VLLM_")}
     e.update(PAGEDKV_VLLM_SANITIZER=addr)
     e.update(env or {})
     code = (pre + "\nimport sys\nfrom workbench.adapters.vllm.inproc import main\nmain(sys.argv[1:])\n")
     try:
         p = _run(code, args, e, timeout_s)
-        time.sleep(0.3)                                  # the last messages in flight
+        if lis is not None:
+            lis.settle(0.1)                              # the last messages in flight (the run has exited)
         result = result_of(p.stdout)
         if lis is None:
             return Run(p.returncode, result, p.stdout + p.stderr, [], {}, {}, [], [])

@@ -159,6 +159,18 @@ class SanitizerListener:
             self.errors.append(msg)
             del self.errors[:-MAX_ERRORS]
 
+    def settle(self, quiet_s: float = 0.1, max_s: float = 1.0) -> None:
+        """Return once no message has arrived for quiet_s (at most max_s): after its senders have exited,
+        what they sent is in this host's socket buffers, read within a poll or two."""
+        end = time.monotonic() + max_s
+        while time.monotonic() < end:
+            with self.lock:
+                last = self.last_message
+            idle = time.time() - last if last is not None else quiet_s
+            if idle >= quiet_s:
+                return
+            time.sleep(min(quiet_s - idle, max(0.0, end - time.monotonic())) + 1e-3)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
