@@ -104,7 +104,7 @@ class VllmServer:
                 self.started_s = time.time() - t0
                 return self
             except OSError:
-                time.sleep(1)
+                time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"vLLM did not answer {self.url}/health within {timeout_s:.0f} s; see {self.log_path}")
 
