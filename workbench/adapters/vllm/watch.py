@@ -18,7 +18,9 @@ from __future__ import annotations
 import html
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -111,6 +113,31 @@ class _Terminal:
 
 
 # ---- watching --------------------------------------------------------------------------------
+class _CtrlC:
+    """Ctrl-C as a flag the loop reads between polls. A KeyboardInterrupt raised wherever the main thread
+    happens to be can land after a `with lock:` has taken a lock and before the block that releases it
+    is entered: the lock stays held and the last reads for the report wait on it for ever (a `kvwb
+    watch` that outlived its Ctrl-C, seen once in the test suite). A second Ctrl-C interrupts at once.
+    Off the main thread (no signal handlers there) Ctrl-C stays a KeyboardInterrupt."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._on)     # also over an inherited SIG_IGN
+        return self
+
+    def _on(self, signum, frame) -> None:
+        self.hit = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 def watch(conn: VllmConnection, out=None, interval_s: float = 1.0, duration_s: float | None = None,
           report: str | Path | None = None) -> int:
     """Print the connection's state until Ctrl-C (or duration_s); write `report` on the way out.
@@ -159,18 +186,19 @@ def watch(conn: VllmConnection, out=None, interval_s: float = 1.0, duration_s: f
         term.status(line)
 
     try:
-        while True:
-            now = time.monotonic()
-            drain()
-            if now >= next_status:
-                status()
-                next_status = max(next_status + interval_s, now + interval_s / 2)
-            if duration_s is not None and now - t0 >= duration_s:
-                break
-            wake = min(next_status, now + POLL_S)
-            if duration_s is not None:
-                wake = min(wake, t0 + duration_s)
-            time.sleep(max(0.0, wake - time.monotonic()))
+        with _CtrlC() as ctrl_c:
+            while not ctrl_c.hit:
+                now = time.monotonic()
+                drain()
+                if now >= next_status:
+                    status()
+                    next_status = max(next_status + interval_s, now + interval_s / 2)
+                if duration_s is not None and now - t0 >= duration_s:
+                    break
+                wake = min(next_status, now + POLL_S)
+                if duration_s is not None:
+                    wake = min(wake, t0 + duration_s)
+                time.sleep(max(0.0, wake - time.monotonic()))
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:                     # `kvwb watch ... | head`: stop printing, still report
