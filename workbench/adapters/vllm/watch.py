@@ -114,11 +114,12 @@ class _Terminal:
 
 # ---- watching --------------------------------------------------------------------------------
 class _CtrlC:
-    """Ctrl-C as a flag the loop reads between polls. A KeyboardInterrupt raised wherever the main thread
-    happens to be can land after a `with lock:` has taken a lock and before the block that releases it
-    is entered: the lock stays held and the last reads for the report wait on it for ever (a `kvwb
-    watch` that outlived its Ctrl-C, seen once in the test suite). A second Ctrl-C interrupts at once.
-    Off the main thread (no signal handlers there) Ctrl-C stays a KeyboardInterrupt."""
+    """Ctrl-C as a flag the loop reads between polls, not a KeyboardInterrupt raised wherever the main
+    thread happens to be. A `kvwb watch` outlived its Ctrl-C once in the test suite; two ways it can, both
+    closed by this: a process started with SIGINT ignored keeps it ignored (Python installs its handler
+    only over the default), and an interrupt landing after a `with lock:` has taken its lock and before
+    the block that releases it leaves the lock held for the report's last reads. A second Ctrl-C
+    interrupts at once. Off the main thread (no signal handlers there) Ctrl-C stays a KeyboardInterrupt."""
 
     def __init__(self):
         self.hit = False
