@@ -115,6 +115,27 @@ def run_watch(conn, send, duration=1.5, interval=0.2, report=None, out=None):
 
 
 # ---- in-process ---------------------------------------------------------------------------
+def test_watch_on_the_main_thread_ends_on_ctrl_c_and_gives_the_callers_handler_back(server, tmp_path):
+    import os
+    import signal
+    def callers(signum, frame):                                 # the caller's own handler
+        pass
+    before = signal.signal(signal.SIGINT, callers)
+    report = tmp_path / "sigint.html"
+    conn = open_connection(server.url, interval_s=0.1)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        rc = watch(conn, io.StringIO(), interval_s=0.2, duration_s=20, report=report)
+        took = time.monotonic() - t0
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        conn.close()
+        signal.signal(signal.SIGINT, before)
+    assert took < 10 and rc == 0 and report.exists(), took     # ended by the Ctrl-C, not the duration
+    assert after is callers, after
+
+
 def test_watch_prints_usage_and_the_finding_as_it_arrives_then_reports(server, tmp_path):
     report = tmp_path / "watch.html"
     conn = open_connection(server.url, sanitizer=free_addr(), interval_s=0.1)

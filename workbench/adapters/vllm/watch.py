@@ -123,11 +123,13 @@ class _CtrlC:
 
     def __init__(self):
         self.hit = False
+        self._installed = False
         self._old = None
 
     def __enter__(self) -> "_CtrlC":
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._on)     # also over an inherited SIG_IGN
+            self._installed = True
         return self
 
     def _on(self, signum, frame) -> None:
@@ -135,8 +137,10 @@ class _CtrlC:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        if self._installed:
+            # the handler found, or Python's own where it was one set from C (signal() answers None
+            # then): never leave ours, whose flag no loop reads any more
+            signal.signal(signal.SIGINT, self._old if self._old is not None else signal.default_int_handler)
 
 
 def watch(conn: VllmConnection, out=None, interval_s: float = 1.0, duration_s: float | None = None,
