@@ -139,6 +139,31 @@ def publishing(on_step=None):
         conn.close()
 
 
+def test_settle_waits_for_a_quiet_stream_from_the_call_and_no_longer_than_its_cap():
+    # what the test driver calls after a vLLM run has exited, instead of a fixed sleep
+    with publishing() as (conn, pub, lst):
+        hello = [b"hello", json.dumps({"pid": 2, "process": "EngineCore_DP0", "vllm_version": "0.32"}).encode()]
+        time.sleep(0.3)                     # the last message read long ago: still a quiet window from the call
+        t0 = time.monotonic()
+        lst.settle(0.1)
+        assert 0.1 <= time.monotonic() - t0 < 0.5
+        stop = threading.Event()
+
+        def chatter():                      # a stream still arriving: settle waits it out
+            while not stop.wait(0.03):
+                pub.send_multipart(hello)
+        sender = threading.Thread(target=chatter)
+        sender.start()
+        try:
+            n0, t0 = lst.messages, time.monotonic()
+            lst.settle(0.1, max_s=0.6)      # never quiet while it sends: the cap ends it
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            sender.join()
+        assert 0.55 <= took < 1.0 and lst.messages > n0 + 5, (took, lst.messages - n0)
+
+
 def test_malformed_sanitizer_messages_are_named_and_the_last_good_pool_stays():
     with publishing() as (conn, pub, lst):
         # one good snapshot first

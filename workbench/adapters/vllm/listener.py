@@ -160,13 +160,15 @@ class SanitizerListener:
             del self.errors[:-MAX_ERRORS]
 
     def settle(self, quiet_s: float = 0.1, max_s: float = 1.0) -> None:
-        """Return once no message has arrived for quiet_s (at most max_s): after its senders have exited,
-        what they sent is in this host's socket buffers, read within a poll or two."""
-        end = time.monotonic() + max_s
+        """Return once no message has arrived for quiet_s since this call (at most max_s): after its
+        senders have exited, what they sent is in this host's socket buffers, read within a poll or two.
+        Quiet is counted from the call, not from the last message read: one sent just before the exit
+        may not have been read yet."""
+        start, end = time.time(), time.monotonic() + max_s
         while time.monotonic() < end:
             with self.lock:
                 last = self.last_message
-            idle = time.time() - last if last is not None else quiet_s
+            idle = time.time() - max(start, last or start)
             if idle >= quiet_s:
                 return
             time.sleep(min(quiet_s - idle, max(0.0, end - time.monotonic())) + 1e-3)
