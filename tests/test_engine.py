@@ -19,11 +19,38 @@ def prompts(n, seed=0, lo=3, hi=90):
 from hf_reference import hf_greedy
 
 
+class Reference(list):
+    """The reference's token lists, with each token's top-2 (ids, log-probs) beside them (`top2`)."""
+    top2: list
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, enable_prefix_caching=False))
     ps = prompts(10)
-    return ps, [o.token_ids for o in eng.generate(ps, GREEDY)]
+    outs = eng.generate(ps, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
+    ref = Reference(o.token_ids for o in outs)
+    ref.top2 = [[(ids, lps) for _, ids, lps in o.logprobs] for o in outs]
+    return ps, ref
+
+
+NEAR_TIE = 1e-4        # nats: fp32 rounding between two batch shapes moves a logit by ~1e-6
+
+
+def assert_same_greedy(got: list[int], ref: Reference, k: int) -> None:
+    """Request k's greedy tokens equal the reference's, except from a position where the reference's top
+    two were a near-tie and `got` took the other one: without our compiled kernels the linears are MKL's
+    sgemm, whose rounding can differ with the batch's shape and alignment, and the tiny random Llama has
+    near-ties (one flipped once in `make test-cpus`' featureless pass). A wrong page or position moves
+    logits by far more than NEAR_TIE, so a bug still fails here."""
+    r = ref[k]
+    if got == r:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(got, r)) if a != b), min(len(got), len(r)))
+    assert i < min(len(got), len(r)), (k, got, r)
+    ids, lps = ref.top2[k][i]
+    assert list(ids[:2]) == [r[i], got[i]] and abs(lps[0] - lps[1]) < NEAR_TIE, \
+        f"request {k} differs at token {i}: {got[i]} where the reference took {r[i]} (its top 2: {ids}, {lps})"
 
 
 def test_greedy_matches_transformers(tiny_hf_model, reference):
@@ -57,7 +84,8 @@ def test_small_pool_preempts_and_matches(tiny_llama_dir, reference):
     # each event says what the victim lost: the pages it held and the KV it must recompute
     assert len(seen) == eng.stats()["num_preemptions"]
     assert all(e.num_pages_freed == pages_for(e.num_computed_tokens, 16) > 0 for e in seen)
-    assert [o.token_ids for o in outs] == ref
+    for k, o in enumerate(outs):
+        assert_same_greedy(o.token_ids, ref, k)
     assert sum(o.num_preemptions for o in outs) == eng.stats()["num_preemptions"]
 
 
@@ -66,7 +94,8 @@ def test_chunked_prefill_and_prefix_cache_match(tiny_llama_dir, reference):
     eng = Engine.from_pretrained(tiny_llama_dir, EngineConfig(num_pages=512, max_num_batched_tokens=40))
     shared = [ps[0][:5] * 8 + p for p in ps[:3]]          # a 40-token common prefix
     first = eng.generate(shared + ps, GREEDY)
-    assert [o.token_ids for o in first[3:]] == ref
+    for k, o in enumerate(first[3:]):
+        assert_same_greedy(o.token_ids, ref, k)
     again = eng.generate(shared, GREEDY)                  # now served from the prefix cache
     st = eng.stats()
     assert st["prefix_cache_hits"] >= 3 * 32 and st["prefix_cache_queries"] > st["prefix_cache_hits"]
@@ -88,7 +117,8 @@ def test_prompt_longer_than_pool_rejected_others_finish(tiny_llama_dir, referenc
         eng.add_request(too_long, GREEDY)
     outs = eng.generate(ps[:3] + [too_long] + ps[3:5], GREEDY)
     assert outs[3].finish_reason == "rejected" and "20 pages" in outs[3].error
-    assert [o.token_ids for i, o in enumerate(outs) if i != 3] == ref[:5]
+    for k, o in enumerate(o for i, o in enumerate(outs) if i != 3):
+        assert_same_greedy(o.token_ids, ref, k)
     with pytest.raises(RequestRejected, match="token 1 is 999"):
         eng.add_request([5, 999], GREEDY)
     with pytest.raises(RequestRejected, match="empty"):
@@ -122,7 +152,8 @@ def test_add_request_from_threads(tiny_llama_dir, reference):
             if o.finished:
                 done[o.request_id] = o.token_ids
     assert len(done) == len(ps)
-    assert all(done[rid] == ref[j] for rid, j in ids.items())
+    for rid, j in ids.items():
+        assert_same_greedy(done[rid], ref, j)
 
 
 def test_abort_frees_pages(tiny_llama_dir):
