@@ -178,8 +178,8 @@ def main(argv=None) -> None:
     ap.add_argument("--settle-s", type=float, default=0.5, help="wait before exiting, for the last messages")
     ap.add_argument("--serve", action="store_true", help="run rounds asked for on stdin (serve())")
     ap.add_argument("--teardown", action="store_true",
-                    help="end a one-shot run with vLLM's EngineCore.shutdown (skipped by default: see _end; "
-                         "--serve always runs it)")
+                    help="end a one-shot run with vLLM's EngineCore.shutdown (skipped by default, see the end "
+                         "of main; --serve always runs it)")
     a = ap.parse_args(argv)
     from .model_dir import DEFAULT_DIR
     core = make_core(a.model or str(DEFAULT_DIR), batch_queue=a.batch_queue, num_blocks=a.num_blocks,
@@ -216,19 +216,14 @@ def main(argv=None) -> None:
                batch_queue_size=core.batch_queue_size, num_blocks=len(core.scheduler.kv_cache_manager.block_pool.blocks))
     res["plugin_sizes"] = plugin_sizes()
     time.sleep(a.settle_s)
-    _end(core, a.teardown)
+    # The process ends right after this. vLLM's teardown (EngineCore.shutdown) releases what the exit
+    # releases anyway, and pays for it: it unfreezes the heap and collects it twice over, ~0.8 s of a
+    # ~4 s test run here. What a run checks is read above (the result, plugin_sizes), the plugin hooks
+    # nothing of the teardown, and the real servers' tests (and --teardown) still run it with the plugin in.
+    if a.teardown:
+        core.shutdown()
     sys.stdout.write("RESULT " + json.dumps(res) + "\n")
     sys.stdout.flush()
-
-
-def _end(core, teardown: bool) -> None:
-    """The run's process ends right after this. vLLM's teardown (EngineCore.shutdown) releases what
-    the exit releases anyway, and pays for it: it unfreezes the heap and collects it twice over, ~0.8 s
-    of a ~4 s test run here. What a run checks is read before it (the result, plugin_sizes), the
-    plugin hooks nothing of the teardown, and the real servers' tests (and `--teardown` here) still
-    run it with the plugin in."""
-    if teardown:
-        core.shutdown()
 
 
 def plugin_sizes() -> dict:

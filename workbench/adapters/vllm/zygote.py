@@ -9,7 +9,7 @@ source hashes, ~1.6 s). Then it freezes what it holds for the garbage collector:
 a few times while an engine starts, ~1.4 s a run over the unfrozen heap. Nothing else: no
 engine, no plugin, no thread of its own, no environment read that a run could want otherwise.
 A clean tiny-model run: ~7.7 s before these three, ~4.9 s with them, ~2.6 s since a test run skips
-vLLM's teardown (inproc._end) and the driver stops listening once the stream is quiet.
+vLLM's teardown (inproc.py's --teardown) and the driver stops listening once the stream is quiet.
 Each run is a fork of it, so a run is still a process of its own, with its own environment, its
 plugin loaded by vLLM as in a server, and its own exit code; what one run does (a planted bug,
 a patched module) cannot reach the next.
