@@ -241,6 +241,8 @@ def test_doctor_in_process_json(capsys, monkeypatch):
     assert report["device"] == "cpu"
     assert report["torch"] == torch.__version__
     assert report["bandwidth_gbs"] == 10.0 and report["matmul_gflops"] == 20.0
+    from probes.attention_native import CHECK
+    assert report["attention_probe_check"] == ("compiled" if CHECK.get() is not None else f"numpy ({CHECK.why()})")
 
 
 def test_doctor_unknown_device_exits_nonzero(capsys):

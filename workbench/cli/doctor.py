@@ -58,6 +58,9 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
         report["attention_backend"] = "unknown"
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
+    from probes.attention_native import CHECK
+    report["attention_probe_check"] = ("compiled" if CHECK.get() is not None
+                                       else f"numpy ({CHECK.why()})")
     from workbench.engine import cpu_bf16, skinny_gemm
     from workbench.engine.kernels import trials
     onednn = trials.onednn_linear(torch.float32)
@@ -215,6 +218,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                       f"{report['cpu_decode_kernel']}"),
         ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; {report['onednn']} above; "
                     f"{report['quant_layout']}"),
+        ("attention probe", f"clean check {report['attention_probe_check']} (a float32 CPU cache; numpy for the others)"),
     ]
     ks = report["kernel_selection"]
     if "error" in ks:
