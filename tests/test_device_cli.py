@@ -242,7 +242,10 @@ def test_doctor_in_process_json(capsys, monkeypatch):
     assert report["torch"] == torch.__version__
     assert report["bandwidth_gbs"] == 10.0 and report["matmul_gflops"] == 20.0
     from probes.attention_native import CHECK
-    assert report["attention_probe_check"] == ("compiled" if CHECK.get() is not None else f"numpy ({CHECK.why()})")
+    from probes.page_scan import SCAN
+    assert report["probe_kernels"] == {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
+                                       for k in (CHECK, SCAN)}
+    assert set(report["probe_kernels"]) == {"attention check", "page-table scan"}
 
 
 def test_doctor_unknown_device_exits_nonzero(capsys):

@@ -242,17 +242,19 @@ def test_the_compiled_check_is_tried_against_numpy_and_a_wrong_one_refused():
 
 @pytest.mark.parametrize("setting, why", [("PAGEDKV_PROBE_KERNELS=numpy", "PAGEDKV_PROBE_KERNELS=numpy"),
                                           ("PAGEDKV_CPU_FEATURES=none", "fakes a CPU that runs no compiled code")])
-def test_the_compiled_check_stays_unloaded_where_switched_off(setting, why):
+def test_the_probes_compiled_paths_stay_unloaded_where_switched_off(setting, why):
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
     env.update([setting.split("=")])
     done = subprocess.run([sys.executable, "-c", "from probes.attention_native import CHECK; "
-                           "print(CHECK.get() is None, CHECK.why())"], env=env, capture_output=True, text=True,
-                          timeout=120)
+                           "from probes.page_scan import SCAN; "
+                           "[print(k.get() is None, k.why()) for k in (CHECK, SCAN)]"], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("True") and why in done.stdout, done.stdout
+    lines = done.stdout.splitlines()            # the attention check's, the page_table probe's scan
+    assert len(lines) == 2 and all(ln.startswith("True") and why in ln for ln in lines), done.stdout
 
 
 @pytest.mark.parametrize("bug", [rope_slip_in_decode, page_walk_skips_a_page], ids=lambda b: b.__name__)

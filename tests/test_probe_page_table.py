@@ -5,6 +5,8 @@ probe (no finding >= warn), faulty with the probe (the symptom is real: the toke
 change against the clean run; the probe names the request and page within a bounded
 number of steps), and clean again on the faulty engine after the with-block.
 """
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -276,3 +278,43 @@ def test_a_probe_bug_never_reaches_the_engine(sharp_llama_dir):
     assert {f.kind for f in probe.findings} == {"probe-error"} and "pool unreadable" in probe.findings[0].message
     probe.engine = eng
     wb.detach()
+
+
+# ---- the compiled scan (probes/page_scan.py) -------------------------------------------------
+def test_the_compiled_scan_is_tried_against_numpy_and_a_blind_one_refused():
+    from probes import page_scan
+    mod = page_scan.SCAN.get()
+    assert mod is not None, page_scan.SCAN.why()
+    page_scan.trial(mod)
+
+    class Blind:                      # counts the pages right, and says clean whatever the pool holds
+        @staticmethod
+        def scan(lists, gens, ref, gen, free):
+            counts = Counter(p for pages in lists for p in pages)
+            return sum(counts.values()), sum(c > 1 for c in counts.values())
+    with pytest.raises(AssertionError, match="a page outside the pool"):
+        page_scan.trial(Blind)
+
+
+def test_the_compiled_scan_gives_the_numpy_scans_rows(sharp_llama_dir, monkeypatch):
+    # the healthy workload above (shared prefixes, chunks, preemption) twice: its scan rows are the
+    # same whichever scan ran, and the compiled one answered every clean scan
+    from probes import page_scan
+    prefix = random_prompts([48], seed=5)[0]
+    prompts = [prefix + p for p in random_prompts([5, 30, 70, 12, 40], seed=6)] + random_prompts([90], seed=7)
+    frames, answered = [], []
+    real = page_scan.scan
+
+    def counted(*a):
+        got = real(*a)
+        answered.append(got is not None)
+        return got
+    for compiled in (True, False):
+        monkeypatch.setattr(page_scan, "scan", counted if compiled else (lambda *a: None))
+        eng = make_engine(sharp_llama_dir, num_pages=16, max_num_batched_tokens=64)
+        wb = watched(eng)
+        run(eng, prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert loud(wb) == []
+        frames.append(wb.probe("page_table").frame().drop(columns="scan_us"))
+    assert answered and all(answered), answered.count(False)
+    assert frames[0].equals(frames[1]) and frames[0]["shared_pages"].max() > 0

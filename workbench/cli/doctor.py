@@ -59,8 +59,10 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
     from probes.attention_native import CHECK
-    report["attention_probe_check"] = ("compiled" if CHECK.get() is not None
-                                       else f"numpy ({CHECK.why()})")
+    from probes.page_scan import SCAN
+    # the probes' compiled clean paths (each falls back to numpy, which also names what it finds)
+    report["probe_kernels"] = {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
+                               for k in (CHECK, SCAN)}
     from workbench.engine import cpu_bf16, skinny_gemm
     from workbench.engine.kernels import trials
     onednn = trials.onednn_linear(torch.float32)
@@ -218,7 +220,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                       f"{report['cpu_decode_kernel']}"),
         ("linears", f"skinny GEMM (decode sizes) {report['skinny_gemm']}; {report['onednn']} above; "
                     f"{report['quant_layout']}"),
-        ("attention probe", f"clean check {report['attention_probe_check']} (a float32 CPU cache; numpy for the others)"),
+        ("probe kernels", "; ".join(f"{k}: {v}" for k, v in report["probe_kernels"].items())
+         + " (the attention check's: a float32 CPU cache; numpy for the others)"),
     ]
     ks = report["kernel_selection"]
     if "error" in ks:
