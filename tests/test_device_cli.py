@@ -242,10 +242,10 @@ def test_doctor_in_process_json(capsys, monkeypatch):
     assert report["torch"] == torch.__version__
     assert report["bandwidth_gbs"] == 10.0 and report["matmul_gflops"] == 20.0
     from probes.attention_native import CHECK
-    from probes.page_scan import SCAN
+    from probes.page_table_native import CHECKS
     assert report["probe_kernels"] == {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
-                                       for k in (CHECK, SCAN)}
-    assert set(report["probe_kernels"]) == {"attention check", "page-table scan"}
+                                       for k in (CHECK, CHECKS)}
+    assert set(report["probe_kernels"]) == {"attention check", "page-table checks"}
 
 
 def test_doctor_unknown_device_exits_nonzero(capsys):

@@ -249,8 +249,8 @@ def test_the_probes_compiled_paths_stay_unloaded_where_switched_off(setting, why
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
     env.update([setting.split("=")])
     done = subprocess.run([sys.executable, "-c", "from probes.attention_native import CHECK; "
-                           "from probes.page_scan import SCAN; "
-                           "[print(k.get() is None, k.why()) for k in (CHECK, SCAN)]"], env=env, capture_output=True,
+                           "from probes.page_table_native import CHECKS; "
+                           "[print(k.get() is None, k.why()) for k in (CHECK, CHECKS)]"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()            # the attention check's, the page_table probe's scan

@@ -280,41 +280,58 @@ def test_a_probe_bug_never_reaches_the_engine(sharp_llama_dir):
     wb.detach()
 
 
-# ---- the compiled scan (probes/page_scan.py) -------------------------------------------------
-def test_the_compiled_scan_is_tried_against_numpy_and_a_blind_one_refused():
-    from probes import page_scan
-    mod = page_scan.SCAN.get()
-    assert mod is not None, page_scan.SCAN.why()
-    page_scan.trial(mod)
+# ---- the compiled clean paths (probes/page_table_native.py) ------------------------------------
+def test_the_compiled_checks_are_tried_against_numpy_and_blind_ones_refused():
+    from probes import page_table_native as native
+    mod = native.CHECKS.get()
+    assert mod is not None, native.CHECKS.why()
+    native.trial(mod)
 
-    class Blind:                      # counts the pages right, and says clean whatever the pool holds
+    class BlindScan:                  # counts the pages right, and says clean whatever the pool holds
+        table = staticmethod(mod.table)
+
         @staticmethod
         def scan(lists, gens, ref, gen, free):
             counts = Counter(p for pages in lists for p in pages)
             return sum(counts.values()), sum(c > 1 for c in counts.values())
     with pytest.raises(AssertionError, match="a page outside the pool"):
-        page_scan.trial(Blind)
+        native.trial(BlindScan)
+
+    class BlindTable:                 # any table is clean
+        scan = staticmethod(mod.scan)
+
+        @staticmethod
+        def table(*a):
+            return True
+    with pytest.raises(AssertionError, match="table, a page slipped"):
+        native.trial(BlindTable)
 
 
-def test_the_compiled_scan_gives_the_numpy_scans_rows(sharp_llama_dir, monkeypatch):
+def test_the_compiled_checks_give_the_numpy_checks_rows(sharp_llama_dir, monkeypatch):
     # the healthy workload above (shared prefixes, chunks, preemption) twice: its scan rows are the
-    # same whichever scan ran, and the compiled one answered every clean scan
-    from probes import page_scan
+    # same whichever checks ran, and the compiled ones answered every clean table and scan
+    from probes import page_table_native as native
     prefix = random_prompts([48], seed=5)[0]
     prompts = [prefix + p for p in random_prompts([5, 30, 70, 12, 40], seed=6)] + random_prompts([90], seed=7)
-    frames, answered = [], []
-    real = page_scan.scan
+    frames, answered = [], {"scan": [], "table": []}
+    real = {"scan": native.scan, "table": native.table}
 
-    def counted(*a):
-        got = real(*a)
-        answered.append(got is not None)
-        return got
+    def counted(name):
+        def call(*a):
+            got = real[name](*a)
+            answered[name].append(got is not None and got is not False)
+            return got
+        return call
     for compiled in (True, False):
-        monkeypatch.setattr(page_scan, "scan", counted if compiled else (lambda *a: None))
+        monkeypatch.setattr(native, "scan", counted("scan") if compiled else (lambda *a: None))
+        monkeypatch.setattr(native, "table", counted("table") if compiled else (lambda *a: False))
         eng = make_engine(sharp_llama_dir, num_pages=16, max_num_batched_tokens=64)
         wb = watched(eng)
         run(eng, prompts, SamplingParams(max_tokens=20, ignore_eos=True))
         assert loud(wb) == []
-        frames.append(wb.probe("page_table").frame().drop(columns="scan_us"))
-    assert answered and all(answered), answered.count(False)
-    assert frames[0].equals(frames[1]) and frames[0]["shared_pages"].max() > 0
+        probe = wb.probe("page_table")
+        frames.append((probe.frame().drop(columns="scan_us"), probe.tables_checked))
+    for name, got in answered.items():
+        assert got and all(got), (name, got.count(False))
+    assert frames[0][0].equals(frames[1][0]) and frames[0][0]["shared_pages"].max() > 0
+    assert frames[0][1] == frames[1][1] == len(answered["table"])

@@ -1,7 +1,13 @@
-/* The page_table probe's scan of the live page tables against the pool, compiled: its clean path
- * (probes/page_scan.py; the numpy scan in probes/page_table.py is the reference, and reports).
+/* The page_table probe's two checks compiled, their clean paths (probes/page_table_native.py; the numpy
+ * checks in probes/page_table.py are the reference, and report): the bound block table against the
+ * sequences' page lists (every forward), and the live page tables against the pool (every step).
  *
- * Why C: the scan runs after every step, when the forward and the sampler have streamed the model
+ * table(): the bytes the kernels read (a host copy of the bound table) against the table rebuilt from
+ * each sequence's own page list (invariants.reference), over the columns each row's context reads:
+ * equal, inside the pool, no row that reads its context from pages holding only zeros, no page list
+ * shorter than its context. One pass over [B, W] where numpy took ~20 small operations at layer 0.
+ *
+ * scan(): the scan runs after every step, when the forward and the sampler have streamed the model
  * through the caches, and its ~30 small numpy operations each paid a cold dispatch (~270 us a step on
  * SmolLM2's workload A). A clean scan is one pass over the live page lists and one over the pool's
  * per-page arrays. Anything off (a page id outside the pool, a mapped page the pool holds free, a page
@@ -19,7 +25,7 @@ static int hold(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *what
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (b->itemsize != itemsize) {
         PyBuffer_Release(b);
-        PyErr_Format(PyExc_TypeError, "page_scan: %s must hold %zd-byte items", what, itemsize);
+        PyErr_Format(PyExc_TypeError, "page_table.scan: %s must hold %zd-byte items", what, itemsize);
         return -1;
     }
     return 0;
@@ -114,13 +120,69 @@ done:
     return result;
 }
 
+/* table(read, table, need, short, context_lens, q_lens, num_pages) -> bool: True where the numpy check
+ * would find nothing (False: it must look, and it names what is off)
+ *   read   int64 [B, W]: the bound table's bytes, as the kernels read them
+ *   table  int64 [B, Wr]: the pages each sequence's own list puts there; need [B] the columns each row
+ *          reads; short [B] (bool) a page list shorter than that; context_lens, q_lens [B] */
+static PyObject *table(PyObject *self, PyObject *args) {
+    PyObject *oread, *otab, *oneed, *oshort, *octx, *oq;
+    long long num_pages;
+    if (!PyArg_ParseTuple(args, "OOOOOOL", &oread, &otab, &oneed, &oshort, &octx, &oq, &num_pages)) return NULL;
+    Py_buffer b[6];
+    PyObject *o[6] = {oread, otab, oneed, oshort, octx, oq};
+    const Py_ssize_t size[6] = {8, 8, 8, 1, 8, 8};
+    const char *what[6] = {"read", "table", "need", "short", "context_lens", "q_lens"};
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < 6; held++)
+        if (PyObject_GetBuffer(o[held], &b[held], PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 || b[held].itemsize != size[held]) {
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&b[held]);
+                PyErr_Format(PyExc_TypeError, "page_table.table: %s must hold %zd-byte items", what[held], size[held]);
+            }
+            goto done;
+        }
+    int clean = b[0].ndim == 2 && b[1].ndim == 2;
+    const Py_ssize_t B = clean ? b[1].shape[0] : 0, Wr = clean ? b[1].shape[1] : 0;
+    const Py_ssize_t W = clean ? b[0].shape[1] : 0;
+    clean = clean && b[0].shape[0] == B && b[2].len / 8 == B && b[3].len == B && b[4].len / 8 == B &&
+            b[5].len / 8 == B;
+    const int64_t *read = b[0].buf, *tab = b[1].buf, *need = b[2].buf, *ctx = b[4].buf, *q = b[5].buf;
+    const int8_t *shrt = b[3].buf;
+    for (Py_ssize_t r = 0; r < B && clean; r++) {
+        const Py_ssize_t k = need[r];
+        if (shrt[r] || k < 0 || k > W || k > Wr) {    /* a short list, a table narrower than the context */
+            clean = 0;
+            break;
+        }
+        int any = 0;
+        for (Py_ssize_t c = 0; c < k; c++) {
+            const int64_t p = read[r * W + c];
+            if (p != tab[r * Wr + c] || p < 0 || p >= num_pages) {
+                clean = 0;
+                break;
+            }
+            any |= p != 0;
+        }
+        if (clean && !any && ctx[r] > q[r]) clean = 0;  /* reads pages, all zero: numpy judges the row */
+    }
+    result = PyBool_FromLong(clean);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"table", table, METH_VARARGS, "table(read, table, need, short, context_lens, q_lens, num_pages) -> "
+                                   "True where the bound table is clean"},
     {"scan", scan, METH_VARARGS, "scan(page_lists, generation_lists, ref, generation, is_free) -> "
                                  "(mapped pages, shared pages), or None where something is off"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pagedkv_page_scan",
-                                    "the page_table probe's clean scan, compiled", -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pagedkv_page_table_check",
+                                    "the page_table probe's clean paths, compiled", -1, methods, NULL, NULL, NULL,
+                                    NULL};
 
-PyMODINIT_FUNC PyInit_pagedkv_page_scan(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_pagedkv_page_table_check(void) { return PyModule_Create(&module); }
