@@ -20,14 +20,13 @@ Every `every` steps (StepFinished), a scan of the live page tables against the p
 - refcount != the number of live page tables mapping the page;
 - a page reused under a live sequence: its generation changed since the sequence got it.
 
-Cost: the per-forward check reads B*W int32 ids (a device sync off CPU); compiled where a C
-compiler is at hand (page_table_native.py: one pass over [B, W], ~0.17 ms a forward with the
-reference it shares with packing, where numpy's passes took ~0.25 ms), the numpy passes
-below running only where it finds something off. The scan is O(num_pages + mapped pages): compiled where a C compiler
-is at hand (page_table_native.py: one pass over the live page lists and one over the pool's arrays,
-~30 us a step on SmolLM2's workload A, where numpy's ~30 small operations took ~270 us right
-after the sampler), and only where it finds something off does the numpy scan below run, to
-name each finding; raise `every` for large pools.
+Cost: both checks are compiled where a C compiler is at hand (page_table_native.py), and their
+numpy code below runs only where the compiled pass finds something off, to name each finding.
+The per-forward check reads B*W int32 ids (a device sync off CPU) and makes one pass over them:
+~0.17 ms a forward on SmolLM2's workload A, the host copy and the reference it shares with packing
+included (numpy's passes: ~0.25 ms). The scan is O(num_pages + mapped pages), one pass over the
+live page lists and one over the pool's arrays: ~50 us a step (numpy's ~30 small operations right
+after the sampler: ~270 us); raise `every` for large pools.
 """
 from __future__ import annotations
 
@@ -349,14 +348,9 @@ class PageTableProbe(Probe):
         live = [s for s in eng.live_sequences() if s.pages]
         fq = pool.free_queue()
         clean = page_table_native.scan([s.pages for s in live], [s.page_generations for s in live], pool.ref,
-                               pool.generation, fq.is_free)
+                                       pool.generation, fq.is_free)
         if clean is not None:           # the compiled scan found nothing off: the row, no numpy pass
-            self.scans += 1
-            row = {"step": step, "live_seqs": len(live), "mapped_pages": clean[0], "shared_pages": clean[1],
-                   "free_pages": pool.num_free, "out_of_range": 0, "free_while_mapped": 0, "reused": 0,
-                   "refcount_missing": 0, "refcount_leaked": 0, "scan_us": (time.perf_counter_ns() - t0) / 1e3}
-            self._row(row)
-            return row
+            return self._scanned(step, t0, len(live), *clean)
         lens = np.fromiter((len(s.pages) for s in live), np.int64, len(live))
         pages = np.fromiter(chain.from_iterable(s.pages for s in live), np.int64, int(lens.sum()))
         owner = np.repeat(np.arange(len(live)), lens)
@@ -416,11 +410,19 @@ class PageTableProbe(Probe):
                            f"a leaked reference (the page never returns to the pool)", hint=HINT_REF,
                    kind="refcount", dedup=("refcount", int(p), int(counts[p]), int(ref[p])), step=step,
                    page=int(p), evidence={"refcount": int(ref[p]), "mapped_by": int(counts[p])})
+        return self._scanned(step, t0, len(live), int(len(pages)), int((counts > 1).sum()),
+                             out_of_range=int((~inside).sum()), free_while_mapped=len(mapped_free),
+                             reused=int(len(reused)), refcount_missing=int(len(missing)),
+                             refcount_leaked=int(len(leaked)))
+
+    def _scanned(self, step: int, t0: int, live: int, mapped: int, shared: int, out_of_range: int = 0,
+                 free_while_mapped: int = 0, reused: int = 0, refcount_missing: int = 0,
+                 refcount_leaked: int = 0) -> dict:
+        """A scan's frame() row, kept and returned (the compiled scan's and the numpy one's alike)."""
         self.scans += 1
-        row = {"step": step, "live_seqs": len(live), "mapped_pages": int(len(pages)),
-               "shared_pages": int((counts > 1).sum()), "free_pages": pool.num_free,
-               "out_of_range": int((~inside).sum()), "free_while_mapped": len(mapped_free),
-               "reused": int(len(reused)), "refcount_missing": int(len(missing)),
-               "refcount_leaked": int(len(leaked)), "scan_us": (time.perf_counter_ns() - t0) / 1e3}
+        row = {"step": step, "live_seqs": live, "mapped_pages": mapped, "shared_pages": shared,
+               "free_pages": self.engine.pool.num_free, "out_of_range": out_of_range,
+               "free_while_mapped": free_while_mapped, "reused": reused, "refcount_missing": refcount_missing,
+               "refcount_leaked": refcount_leaked, "scan_us": (time.perf_counter_ns() - t0) / 1e3}
         self._row(row)
         return row

@@ -21,11 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* b over o's memory (C-contiguous, shape known), items of itemsize bytes; on failure nothing is held */
 static int hold(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (b->itemsize != itemsize) {
         PyBuffer_Release(b);
-        PyErr_Format(PyExc_TypeError, "page_table.scan: %s must hold %zd-byte items", what, itemsize);
+        PyErr_Format(PyExc_TypeError, "page_table: %s must hold %zd-byte items", what, itemsize);
         return -1;
     }
     return 0;
@@ -136,13 +137,7 @@ static PyObject *table(PyObject *self, PyObject *args) {
     int held = 0;
     PyObject *result = NULL;
     for (; held < 6; held++)
-        if (PyObject_GetBuffer(o[held], &b[held], PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 || b[held].itemsize != size[held]) {
-            if (!PyErr_Occurred()) {
-                PyBuffer_Release(&b[held]);
-                PyErr_Format(PyExc_TypeError, "page_table.table: %s must hold %zd-byte items", what[held], size[held]);
-            }
-            goto done;
-        }
+        if (hold(o[held], &b[held], size[held], what[held]) < 0) goto done;
     int clean = b[0].ndim == 2 && b[1].ndim == 2;
     const Py_ssize_t B = clean ? b[1].shape[0] : 0, Wr = clean ? b[1].shape[1] : 0;
     const Py_ssize_t W = clean ? b[0].shape[1] : 0;

@@ -61,8 +61,8 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
     from probes.attention_native import CHECK
     from probes.page_table_native import CHECKS
     # the probes' compiled clean paths (each falls back to numpy, which also names what it finds)
-    report["probe_kernels"] = {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
-                               for k in (CHECK, CHECKS)}
+    report["probe_kernels"] = {k.spec.what.removeprefix("compiled "):
+                               "compiled" if k.get() is not None else f"numpy ({k.why()})" for k in (CHECK, CHECKS)}
     from workbench.engine import cpu_bf16, skinny_gemm
     from workbench.engine.kernels import trials
     onednn = trials.onednn_linear(torch.float32)

@@ -47,7 +47,7 @@ TABLE: tuple[Var, ...] = (
     Var("PAGEDKV_BF16", "bf16_mode", BF16_MODES,
         "native: bf16 GEMMs; storage: bf16 weights and KV computed in fp32 (auto: what the CPU has)"),
     Var("PAGEDKV_PROBE_KERNELS", None, ("compiled", "numpy"),
-        "numpy: the probes' clean paths in numpy (the attention check, the page_table scan); their C twins "
+        "numpy: the probes' clean paths in numpy (the attention check, the page_table checks); their C twins "
         "(probes/csrc/) are not loaded", "compiled"),
     Var("PAGEDKV_HUGEPAGES", "hugepages", HUGEPAGES, "off: the KV cache in 4 KiB pages (torch.zeros)"),
     Var("PAGEDKV_QUANT_LAYOUT", "quant_layout", QUANT_LAYOUTS,
