@@ -68,7 +68,7 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install $(PIP_ARGS) -e '.[engine,lab,test,docs]'
 	$(PYTHON) -c 'from workbench.engine.attention.native import main; main()'
 	$(PYTHON) -c 'from workbench.engine import pool_ops; print("compiled page-pool loops:", "ready" if pool_ops.compiled() else "unavailable, the Python ones will run")'
-	$(PYTHON) -c 'from probes import attention_native as a, page_table_native as p; [print(f"{k.spec.what}:", "ready" if k.get() else f"unavailable ({k.why()}), {k.fallback} will run") for k in (a.CHECK, p.CHECKS)]'
+	$(PYTHON) -c 'from probes.compiled import main; main()'
 	@touch $@
 
 vllm: $(VLLM_STAMP)

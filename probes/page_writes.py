@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import page_writes_native
+
 _BASE = 0x100000001B3                      # FNV-64's prime: odd, so invertible mod 2**64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
 U64 = np.uint64
@@ -71,9 +73,11 @@ class Mismatch:
 
 
 class PageWriteLedger:
-    def __init__(self, num_pages: int, page_size: int, seed: int = 0):
+    def __init__(self, num_pages: int, page_size: int, seed: int = 0, compiled: bool = True):
+        """compiled: a clean step runs in C where the module is available (page_writes_native.py);
+        False: numpy every step (the reference the compiled step is tried against)."""
         n = num_pages * page_size
-        self.num_pages, self.page_size, self.seed = num_pages, page_size, seed
+        self.num_pages, self.page_size, self.seed, self.compiled = num_pages, page_size, seed, compiled
         self.writer = np.full(n, -1, dtype=np.int64)       # request id (ints: our engine's)
         self.pos = np.full(n, -1, dtype=np.int64)
         self.tok = np.full(n, -1, dtype=np.int64)
@@ -82,16 +86,28 @@ class PageWriteLedger:
         self.slots_written = 0
         self.positions_checked = 0
         self.verified: list[tuple] = []
+        self.pages_written: list[int] = []                 # the distinct pages the last step wrote
 
     # ---- one step ------------------------------------------------------------------------------
-    def step(self, rows, slot_mapping: np.ndarray, strict: bool = False) -> list[Mismatch]:
+    def step(self, rows, slot_mapping: np.ndarray, strict: bool = False, before: np.ndarray | None = None
+             ) -> list[Mismatch]:
         """Check, then record, one step. rows: per batch row (request id, tokens, computed before the
         step, tokens scheduled, its page list), in the slot mapping's order. Positions a request has
         not written or checked since it was (re)admitted and that lie before its computed count (a
         prefix-cache hit) are checked against the slots its page list names; then this step's
         positions are recorded at the slots the kernel wrote. Returns the first mismatch per row.
         strict: the ledger has watched every write since the pool was new, so a cached position
-        whose slot was never written is a mismatch too (else: written before we watched, unjudged)."""
+        whose slot was never written is a mismatch too (else: written before we watched, unjudged).
+        before: an int64 array as long as slot_mapping, filled with the request each slot held before
+        this step's writes (-1: none, or outside the ledger): what the index audit names.
+        A clean step runs compiled where it can (page_writes_native: it leaves a mismatch to this code)."""
+        if self.compiled:
+            got = page_writes_native.step(self, rows, slot_mapping, strict, before)
+            if got is not None:
+                self.verified, checked, written, self.pages_written = got
+                self.positions_checked += checked
+                self.slots_written += written
+                return []
         ps, nslots = self.page_size, len(self.writer)
         toks, row_of, starts, s0, wrote, dones = [], [], [], [], [], []
         verify = []                                         # (row, first position, end) to check
@@ -113,6 +129,11 @@ class PageWriteLedger:
             s0.append(s)
             wrote.append((c - done, n, off))
             off += end - done
+        if before is not None and slot_mapping is not None:
+            full = np.asarray(slot_mapping, dtype=np.int64)
+            inside = (full >= 0) & (full < nslots)
+            before[:] = np.where(inside, self.writer[np.where(inside, full, 0)], -1)
+        self.pages_written = []
         if not toks:
             self.verified = []
             return []
@@ -123,8 +144,8 @@ class PageWriteLedger:
         fwd, inv = _POW.upto(int(p.max()) + 1)
         with np.errstate(over="ignore"):
             cs = np.cumsum((t + 1).astype(U64) * inv[p], dtype=U64)
-            before = np.where(np.asarray(starts) > 0, cs[np.maximum(np.asarray(starts) - 1, 0)], U64(0))
-            base = np.asarray(s0, dtype=U64) - before.astype(U64)
+            prior = np.where(np.asarray(starts) > 0, cs[np.maximum(np.asarray(starts) - 1, 0)], U64(0))
+            base = np.asarray(s0, dtype=U64) - prior.astype(U64)
             s_all = np.repeat(base, lens) + cs
             d = fwd[p] * s_all
         # ---- check what the request did not write itself (its hits) before this step's writes land
@@ -166,6 +187,7 @@ class PageWriteLedger:
             self.tok[s] = t[idx][ok]
             self.digest[s] = d[idx][ok]
             self.slots_written += int(len(s))
+            self.pages_written = list(dict.fromkeys((s // ps).tolist()))
         for k, i in enumerate(row_of):
             rid, tokens, c, n, _ = rows[i]
             self.state[rid] = (c + n, int(s_all[starts[k] + lens[k] - 1]))

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from probes.page_writes import PageWriteLedger
 from workbench.events import EngineIdle, PagesRegistered, RequestFinished, StepFinished
 from workbench.probe import Probe
@@ -92,12 +94,10 @@ class PrefixCacheProbe(Probe):
                         rec.scheduled.tolist(), rec.pages))
         checked0 = led.positions_checked
         slots = rec.array("slot_mapping")
-        prev = None
-        if slots is not None and eng.pool.enable_prefix_caching:
-            ok = (slots >= 0) & (slots < len(led.writer))
-            prev = (slots[ok], led.writer[slots[ok]].copy())      # who held the slots before this step
+        # who held the step's slots before it wrote them: the index audit names them
+        before = np.empty(len(slots), dtype=np.int64) if slots is not None and eng.pool.enable_prefix_caching else None
         bad = {}
-        for m in led.step(rows, slots, strict=self._whole):
+        for m in led.step(rows, slots, strict=self._whole, before=before):
             bad[m.request] = m.page
             self._report_hit(m, e.step)
         self.hits_checked += led.positions_checked - checked0
@@ -106,8 +106,8 @@ class PrefixCacheProbe(Probe):
                               "bad_page": bad.get(rid)})
         if len(self.rows) > 100_000:
             del self.rows[:50_000]
-        if prev is not None and len(prev[0]):
-            self._audit_index(prev, e.step)
+        if before is not None and led.pages_written:
+            self._audit_index(slots, before, led.pages_written, e.step)
         self._forget()
 
     def _report_hit(self, m, step: int) -> None:
@@ -132,21 +132,21 @@ class PrefixCacheProbe(Probe):
                       "recorded_index": m.written_pos // ps, "position": m.position, "slot": m.slot,
                       "same_tokens": m.same_tokens})
 
-    def _audit_index(self, prev, step: int) -> None:
-        """Pages written this step that the index holds must hold what the index says they hold."""
+    def _audit_index(self, slots, before, pages, step: int) -> None:
+        """Pages written this step that the index holds must hold what the index says they hold.
+        slots: the step's slot mapping; before: who held each of them before the step; pages: the
+        distinct pages the step wrote."""
         pool, led = self.engine.pool, self.ledger
         ps = led.page_size
-        slots, before = prev
-        pages = slots // ps
         page_hash = pool.page_hash
-        for p in dict.fromkeys(pages.tolist()):
+        for p in pages:
             if page_hash[p] is None:
                 continue
             self.index_pages_checked += 1
             why = led.audit_page(p, pool.page_index[p], pool.page_tokens[p])
             if why is None:
                 continue
-            mine = pages == p
+            mine = np.asarray(slots, dtype=np.int64) // ps == p
             writer = int(led.writer[slots[mine][0]])           # who wrote into it this step
             held = sorted(set(before[mine].tolist()) - {-1, writer})
             if not held:                                       # the slots it overwrote were fresh: the page's others

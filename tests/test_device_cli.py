@@ -241,11 +241,10 @@ def test_doctor_in_process_json(capsys, monkeypatch):
     assert report["device"] == "cpu"
     assert report["torch"] == torch.__version__
     assert report["bandwidth_gbs"] == 10.0 and report["matmul_gflops"] == 20.0
-    from probes.attention_native import CHECK
-    from probes.page_table_native import CHECKS
+    from probes.compiled import kernels
     assert report["probe_kernels"] == {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
-                                       for k in (CHECK, CHECKS)}
-    assert set(report["probe_kernels"]) == {"attention check", "page-table checks"}
+                                       for k in kernels()}
+    assert set(report["probe_kernels"]) == {"attention check", "page-table checks", "page write ledger"}
 
 
 def test_doctor_unknown_device_exits_nonzero(capsys):

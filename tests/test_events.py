@@ -215,6 +215,37 @@ def test_emit_rows_reaches_every_kind_of_subscriber_in_order_and_the_log_in_one_
     assert len(errors) == 1
 
 
+def test_emit_rows_to_the_log_alone_hands_it_the_list_and_keeps_order_and_bound():
+    """With only handlers of many listening (the log), emit_rows hands them the list without a pass per
+    row; the log's rows, seqs and interleaving are the ones one emit_row each gives, a short row still
+    goes the slow way (built, with its defaults), and a batch larger than max_rows leaves it bounded."""
+    from workbench.events import AttentionRead, KVWritten
+    items = []
+    for layer in range(40):
+        items += [(KVWritten, (3, 10 + layer, layer, 0.5, 2.0, 16)), (AttentionRead, (3, 11 + layer, layer, 1, 2, 64))]
+    one, batch = EventBus(), EventBus()
+    log_one, log_batch = EventLog(one), EventLog(batch)
+    taken = []
+    assert batch._one_batch_taker(items) == [log_batch.record_row]
+    orig = log_batch.record_rows
+    log_batch.record_rows = lambda got: (taken.append(got), orig(got))
+    log_batch.detach()
+    log_batch.attach(batch)
+    for t, r in items:
+        one.emit_row(t, r)
+    batch.emit_rows(items)
+    assert len(taken) == 1 and taken[0] is items                     # the list itself: no pass per row
+    for t in (KVWritten, AttentionRead):
+        assert log_batch.frame(t).equals(log_one.frame(t))
+    seqs = log_batch.frame(KVWritten)["seq"].tolist() + log_batch.frame(AttentionRead)["seq"].tolist()
+    assert sorted(seqs) == list(range(len(items)))
+    short = [(KVWritten, (3, 1, 0, 0.5))]                            # a row without every field: not the fast path
+    assert batch._one_batch_taker(short) is None
+    small = EventLog(EventBus(), max_rows=10)
+    small.record_rows(items)
+    assert all(n <= 10 for n in small._counts.values()) and small.dropped == len(items) - sum(small._counts.values())
+
+
 @pytest.mark.parametrize("patched", [False, True])
 def test_quiet_layers_stamp_their_rows_and_the_log_gets_the_same_rows(engine, patched, monkeypatch):
     """With nothing but the log listening, no layer of a decode calls the hooks: the model stamps

@@ -248,13 +248,12 @@ def test_the_probes_compiled_paths_stay_unloaded_where_switched_off(setting, why
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
     env.update([setting.split("=")])
-    done = subprocess.run([sys.executable, "-c", "from probes.attention_native import CHECK; "
-                           "from probes.page_table_native import CHECKS; "
-                           "[print(k.get() is None, k.why()) for k in (CHECK, CHECKS)]"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", "from probes.compiled import kernels; "
+                           "[print(k.get() is None, k.why()) for k in kernels()]"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()            # the attention check's, the page_table probe's scan
-    assert len(lines) == 2 and all(ln.startswith("True") and why in ln for ln in lines), done.stdout
+    lines = done.stdout.splitlines()            # the attention check's, the page_table checks', the ledger's
+    assert len(lines) == 3 and all(ln.startswith("True") and why in ln for ln in lines), done.stdout
 
 
 @pytest.mark.parametrize("bug", [rope_slip_in_decode, page_walk_skips_a_page], ids=lambda b: b.__name__)

@@ -258,3 +258,57 @@ def test_a_preemption_that_drops_its_victim_is_named_lost(sharp_llama_dir, monke
     lost = errors(wb, "request-lost")
     assert {f.request_id for f in lost} == set(dropped)
     assert all(f.evidence["last_place"] == "running" for f in lost)
+
+
+# ---- the ledger's compiled step (probes/page_writes_native.py) ---------------------------------------
+def test_the_compiled_ledger_step_is_tried_against_numpy_and_blind_ones_refused():
+    import pytest
+    from conftest import require_compiled
+    from probes import page_writes_native as native
+    mod = require_compiled(native.STEP, "the compiled page write ledger")
+    native.trial(mod)                     # what the loader ran once: the real module passes
+
+    class Blind:                          # leaves nothing to numpy: a mismatching hit reads clean
+        @staticmethod
+        def step(*a):
+            got = mod.step(*a)
+            return got if got is not None else ([], 0, 0, [])
+    with pytest.raises(AssertionError, match="a hit on another history: the compiled step called a mismatching"):
+        native.trial(Blind)
+
+    class Skewed:                         # records the writes, one digest off
+        @staticmethod
+        def step(rows, sm, state, seed, writer, pos, tok, digest, *rest):
+            got = mod.step(rows, sm, state, seed, writer, pos, tok, digest, *rest)
+            if got is not None and sm is not None and len(sm):
+                digest[sm[0]] += np.uint64(1)
+            return got
+    with pytest.raises(AssertionError, match="a prefill: the compiled step wrote another digest"):
+        native.trial(Skewed)
+
+
+def test_the_compiled_ledger_keeps_the_numpy_ledgers_books(sharp_llama_dir, monkeypatch):
+    # one workload with prefix hits, chunks and preemption, twice: the ledger's arrays, running digests and
+    # rows are the same whichever step ran, and the compiled one answered every step
+    from conftest import require_compiled
+    from probes import page_writes_native as native
+    require_compiled(native.STEP, "the compiled page write ledger")
+    rng = np.random.default_rng(4)
+    prefix = rng.integers(3, 256, 40).tolist()
+    prompts = [prefix + rng.integers(3, 256, n).tolist() for n in (5, 30, 60, 12)] + [rng.integers(3, 256, 70).tolist()]
+    real, answered, seen = native.step, [], []
+    for compiled in (True, False):
+        monkeypatch.setattr(native, "step", (lambda *a: answered.append(real(*a)) or answered[-1]) if compiled
+                            else (lambda *a: None))
+        eng = engine(sharp_llama_dir, num_pages=14)
+        wb = Workbench(eng, log=False).attach(*PROBES)
+        outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        pc = wb.probe("prefix_cache")
+        assert errors(wb) == [] and eng.stats()["num_preemptions"] > 0 and pc.hits_checked > 0
+        led = pc.ledger
+        seen.append(([o.token_ids for o in outs], pc.frame(), led.state, led.positions_checked, led.slots_written,
+                     [getattr(led, n).copy() for n in ("writer", "pos", "tok", "digest")]))
+    assert answered and all(a is not None for a in answered)
+    (t1, f1, s1, c1, w1, a1), (t2, f2, s2, c2, w2, a2) = seen
+    assert t1 == t2 and f1.equals(f2) and s1 == s2 and (c1, w1) == (c2, w2)
+    assert all(np.array_equal(x, y) for x, y in zip(a1, a2))

@@ -88,10 +88,28 @@ class EventLog:
             self._keep(t, row)
 
     def record_rows(self, items: list[tuple[type, tuple]]) -> None:
-        """record_row of each (type, row), in order, under one hold of the lock (EventBus.emit_rows)."""
+        """record_row of each (type, row), in order, under one hold of the lock (EventBus.emit_rows):
+        grouped by type first, so each type's pending rows grow by one extend (a forward's 2L rows)."""
         with self._lock:
+            seq = self.seq
+            self.seq = seq + len(items)
+            groups: dict = {}
             for t, row in items:
-                self._keep(t, row)
+                g = groups.get(t)
+                if g is None:
+                    g = groups[t] = ([], [])
+                g[0].append(seq)
+                g[1].append(row)
+                seq += 1
+            for t, (seqs, rows) in groups.items():
+                pend = self._pending.get(t)
+                if pend is None:
+                    pend = self._new_pending(t)
+                pend[0].extend(seqs)
+                pend[1].extend(rows if pend[2] is None else map(pend[2], rows))
+                self._counts[t] += len(rows)
+                while self.max_rows is not None and self._counts[t] > max(self.max_rows, 1):   # halves until under
+                    self._spill(t, self._flush(t))
 
     def _keep(self, t: type, row: tuple) -> None:
         """One row into t's pending rows (the lock held)."""

@@ -332,8 +332,13 @@ class EventBus:
         """emit_row(etype, row) of each item, in order. A row subscriber that gave subscribe_rows a
         `many` handler gets its items in one call, in order, after the others have had each (the event
         log: one lock for a forward's per-layer rows, not one per row); the others as emit_row gives them."""
-        batches: dict = {}
         many = self._many
+        one = self._one_batch_taker(items)
+        if one is not None:                       # every item goes to the same handlers of many, and only there
+            for fn in one:
+                self._deliver_many(fn, many.get(fn), items)
+            return
+        batches: dict = {}
         for t, row in items:
             if len(row) != _row_getter(t)[1]:
                 self.emit(t(*row))
@@ -348,18 +353,43 @@ class EventBus:
                 event = t(*row)
                 self._deliver(subs, (event,), event)
         for fn, got in batches.items():
-            handler = many.get(fn)
-            if handler is None:               # unsubscribed meanwhile (another thread): one at a time
-                for t, row in got:
-                    self._deliver((fn,), (t, row), None)
-                continue
-            try:
-                handler(got)
-            except Exception as e:
-                if self.on_error is None:
-                    raise
-                t, row = got[0]
-                self.on_error(fn, t(*row), e)
+            self._deliver_many(fn, many.get(fn), got)
+
+    def _one_batch_taker(self, items: list) -> list | None:
+        """The row subscribers of every item's type when they are the same handlers of many for all of
+        them, no one takes objects, and every row is whole (the event log alone listening to a forward's
+        per-layer rows): emit_rows then hands them the list as it is, no pass per row. Else None."""
+        types = set(map(_first, items))
+        first = None
+        for t in types:
+            fns = self._row_subs.get(t)
+            if not fns or self._subs.get(t):
+                return None
+            if first is None:
+                if not all(fn in self._many for fn in fns):
+                    return None
+                first = fns
+            elif fns != first:
+                return None
+        if first is None:
+            return None
+        width = {t: _row_getter(t)[1] for t in types}
+        if any(len(row) != width[t] for t, row in items):
+            return None
+        return list(first)
+
+    def _deliver_many(self, fn, handler, got: list) -> None:
+        if handler is None:                   # unsubscribed meanwhile (another thread): one at a time
+            for t, row in got:
+                self._deliver((fn,), (t, row), None)
+            return
+        try:
+            handler(got)
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            t, row = got[0]
+            self.on_error(fn, t(*row), e)
 
     def _deliver(self, fns, args: tuple, event) -> None:
         """fn(*args) for each subscriber; a subscriber never breaks the engine: its error goes to
@@ -374,6 +404,7 @@ class EventBus:
 
 
 _ROW_GETTERS: dict[type, tuple] = {}
+_first = operator.itemgetter(0)
 
 
 def _row_getter(t: type) -> tuple:

@@ -58,11 +58,10 @@ def doctor_report(device: str = "auto", refresh: bool = False) -> dict[str, Any]
         report["attention_backend"] = "unknown"
     report["cpu_decode_kernel"] = ("built" if native.kernel() is not None
                                    else f"unavailable: {native.unavailable_reason()}")
-    from probes.attention_native import CHECK
-    from probes.page_table_native import CHECKS
+    from probes.compiled import kernels
     # the probes' compiled clean paths (each falls back to numpy, which also names what it finds)
     report["probe_kernels"] = {k.spec.what.removeprefix("compiled "):
-                               "compiled" if k.get() is not None else f"numpy ({k.why()})" for k in (CHECK, CHECKS)}
+                               "compiled" if k.get() is not None else f"numpy ({k.why()})" for k in kernels()}
     from workbench.engine import cpu_bf16, skinny_gemm
     from workbench.engine.kernels import trials
     onednn = trials.onednn_linear(torch.float32)

@@ -37,9 +37,11 @@ class PackedBatch:
     cu_seqlens_q_np: np.ndarray
     page_size: int
     attn_plan: object = None       # the attention backend's per-step index plan, shared by all layers
-    # [2, T] float32, set by the model for the layer being stored while its hooks want each row's
-    # max |K| and |V|: a fused store (rope_write) fills it as it goes and says so; else None
+    # While the model's hooks want each row's max |K| and |V| (ModelHooks.ROW_STATS): the forward's
+    # [L, 2 or 4, T] float32 buffer and the layer being stored, whose slice a fused store (rope_write)
+    # fills as it goes (and says so); else None. A [S, T] tensor with kv_layer -1: that slice itself.
     kv_absmax: torch.Tensor | None = None
+    kv_layer: int = -1
     # (sequence, first position, count): prompt rows whose logits follow the sampled rows in
     # logits_indices, for SamplingParams.prompt_logprobs
     prompt_logprob_spans: list = None

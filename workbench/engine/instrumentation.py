@@ -6,6 +6,7 @@ with nothing attached the hot path sees `None` checks and nothing else.
 """
 from __future__ import annotations
 
+from itertools import chain, repeat
 
 import torch
 
@@ -221,31 +222,81 @@ class ModelHooks:
         self._memo = None
         if held is None:
             return
+        kv_t = self.kv_t
         if self._measured is not None:      # a stamped quiet layer's K / V: the store measured them
-            for layer, t in enumerate(self.kv_t):
+            for layer, t in enumerate(kv_t):
                 if t:
                     self._measured[layer] = True
-        if (self._want_kv or self._want_read) and any(self.quiet):     # the quiet layers' rows, in layer order
-            held = self._with_quiet_rows(held)
-        if not held:
-            return
-        kv = [row for t, row in held if t is KVWritten]
-        if kv:
-            # [L][2] by numpy (NaN-propagating as amax): the buffer is the CPU kernel's, and a torch op
-            # here, cold after the last layer, cost ~100 us against ~10
-            stored = self._kvbuf.numpy()[:, :2].max(2).tolist() if self._kvbuf is not None and kv[0][5] else None
-            # each row's K / V: None (the store measured them), tensors to reduce now, or their figures
-            rest = [r for r in kv if isinstance(r[3], torch.Tensor)]
-            k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
-            v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
-            done = iter([(s, t, l, *((stored[l] if stored else (0.0, 0.0)) if k is None else
-                                     (k_max[l], v_max[l]) if isinstance(k, torch.Tensor) else (k, v)), n)
-                         for s, t, l, k, v, n in kv])
-        self.bus.emit_rows([(t, next(done) if t is KVWritten else row) for t, row in held])
+        want_kv, want_read = self._want_kv, self._want_read
+        if not (want_kv or want_read):
+            return                          # (nothing is held then: on_kv / on_attention add rows only when wanted)
+        # each layer's max |K|, |V| as the store measured them (None: not measured; read only where used)
+        stored = self._layer_maxima() if want_kv and self._kvbuf is not None and self._kvbuf.shape[2] else None
+        if held:
+            held = self._resolved(held, stored)
+        quiet = self.quiet
+        if not any(quiet):
+            items = held
+        elif want_kv and want_read and all(kv_t[l] and self.read_t[l] for l, q in enumerate(quiet) if q):
+            items = self._layer_rows(held, stored)
+        else:
+            items = self._with_quiet_rows(held, stored)
+        if items:
+            self.bus.emit_rows(items)
 
-    def _with_quiet_rows(self, held: list) -> list:
-        """held (the rows of the layers that called on_kv / on_attention) with the quiet layers'
-        rows, all in layer order, KVWritten before AttentionRead at each layer. A quiet layer's
+    def _layer_maxima(self) -> list:
+        """[(max |K|, max |V|)] per layer over this forward's rows, from the store's [L, S, T] buffer: one
+        compiled reduction over its L x S rows where the kernel is loaded (a numpy reduction here, cold
+        after the last layer, cost ~80 us a decode), numpy otherwise. NaN-propagating."""
+        buf = self._kvbuf
+        L, S, T = buf.shape
+        k = native.kernel()
+        if k is not None and buf.is_contiguous():
+            m = k.row_absmax(buf.view(L * S, T)).tolist()      # every figure is >= 0 (or NaN): absmax = max
+            return list(zip(m[0::S], m[1::S]))
+        return [tuple(r) for r in buf.numpy()[:, :2].max(2).tolist()]
+
+    def _resolved(self, held: list, stored) -> list:
+        """held with each KVWritten row's K / V figures in place: the store's (None), reduced now (tensors,
+        in one call each for K and V), or as given."""
+        rest = [row for t, row in held if t is KVWritten and isinstance(row[3], torch.Tensor)]
+        k_max = dict(zip((r[2] for r in rest), native.absmax_each([r[3] for r in rest]))) if rest else {}
+        v_max = dict(zip((r[2] for r in rest), native.absmax_each([r[4] for r in rest]))) if rest else {}
+        out = []
+        for t, row in held:
+            if t is KVWritten:
+                s, ts, layer, k, v, n = row
+                if k is None:
+                    k, v = stored[layer] if stored is not None and n else (0.0, 0.0)
+                elif isinstance(k, torch.Tensor):
+                    k, v = k_max[layer], v_max[layer]
+                row = (s, ts, layer, k, v, n)
+            out.append((t, row))
+        return out
+
+    def _layer_rows(self, held: list, stored) -> list:
+        """Every layer's KVWritten and AttentionRead rows, in layer order, built in one pass for a forward
+        whose quiet layers all ran (each stamped its K / V store and its read): the quiet layers' rows
+        from the stamps, the store's maxima and the table bound when the forward began; a layer that
+        called the hooks keeps the rows it gave (none: it did not run)."""
+        L, step, n = self.num_layers, self._step, self._kvbuf.shape[2] if self._kvbuf is not None else 0
+        version, checksum = self._bt_read
+        ks, vs = zip(*stored) if stored is not None else (repeat(0.0), repeat(0.0))
+        kv = zip(repeat(KVWritten), zip(repeat(step), self.kv_t, range(L), ks, vs, repeat(n)))
+        ar = zip(repeat(AttentionRead), zip(repeat(step), self.read_t, range(L), repeat(version), repeat(checksum),
+                                            repeat(self._read_bytes)))
+        items = list(chain.from_iterable(zip(kv, ar)))        # layer l's rows at 2l, 2l + 1
+        by_layer: dict = {}
+        for item in held:
+            by_layer.setdefault(item[1][2], []).append(item)
+        for layer, q in reversed(list(enumerate(self.quiet))):   # from the top: the indices below stay put
+            if not q:
+                items[2 * layer:2 * layer + 2] = by_layer.get(layer, [])
+        return items
+
+    def _with_quiet_rows(self, held: list, stored) -> list:
+        """held (the rows of the layers that called on_kv / on_attention, figures resolved) with the quiet
+        layers' rows, all in layer order, KVWritten before AttentionRead at each layer. A quiet layer's
         K / V absmax come from the store's buffer; its table version and checksum are the ones
         bound when the forward began (nothing rebinds it mid-forward). A layer that did not run
         (a forward that raised) has no stamp and no row."""
@@ -261,9 +312,9 @@ class ModelHooks:
                 out += rows
                 continue
             rows = rows or []                       # a quiet layer unmeasured by the store called on_kv
-            if self._want_kv:
-                if self.kv_t[layer]:
-                    rows.append((KVWritten, (step, self.kv_t[layer], layer, None, None, n)))
+            if self._want_kv and self.kv_t[layer]:
+                k, v = stored[layer] if stored is not None and n else (0.0, 0.0)
+                rows.append((KVWritten, (step, self.kv_t[layer], layer, k, v, n)))
             if self._want_read and self.read_t[layer]:
                 rows.append((AttentionRead, (step, self.read_t[layer], layer, version, checksum, self._read_bytes)))
             out += rows

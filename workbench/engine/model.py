@@ -190,8 +190,8 @@ class LlamaModel:
                 if widen:
                     qkv = qkv.float()
                 if fused and qkv.is_contiguous():         # rotate in place, store k, v at their slots
-                    if kvmax is not None:
-                        batch.kv_absmax = kvmax[i]
+                    if kvmax is not None:                # the store fills layer i's slice of the [L, S, T] buffer
+                        batch.kv_absmax, batch.kv_layer = kvmax, i
                     measured = attn.rope_write(qkv, cos, sin, kv.k[i], kv.v[i], batch) is True and kvmax is not None
                     q = qkv[:, : self.q_size].view(t, hq, hd)
                     k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, hkv, hd)

@@ -75,7 +75,7 @@ class TorchPagedAttention(AttentionBackend):
         # (float32 rows only); True when it did
         out = batch.kv_absmax if qkv.dtype == torch.float32 else None
         native.kernel().rope_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads,
-                                   self.num_kv_heads, out)
+                                   self.num_kv_heads, out, batch.kv_layer)
         return out is not None
 
     # ---- planning (once per step) ------------------------------------------

@@ -238,6 +238,11 @@ def _helpers(mod) -> None:
     mod.rope_write(qkv, torch.ones(3, d), torch.zeros(3, d), torch.zeros(2, 4, hkv, d), torch.zeros(2, 4, hkv, d),
                    torch.tensor([0, 5, 2]), hq, hkv, out)
     close(out, want, 1e-5, "rope_write's row figures")
+    whole = torch.full((3, 4, 3), -1.0)                 # a forward's [L, S, T] buffer: layer 1's slice only
+    mod.rope_write(qkv, torch.ones(3, d), torch.zeros(3, d), torch.zeros(2, 4, hkv, d), torch.zeros(2, 4, hkv, d),
+                   torch.tensor([0, 5, 2]), hq, hkv, whole, 1)
+    close(whole[1], want, 1e-5, "rope_write's row figures into a layer of the forward's buffer")
+    close(whole[[0, 2]], torch.full((2, 4, 3), -1.0), 0, "rope_write's other layers of the forward's buffer")
     x[2, 7] = float("nan")
     if not math.isnan(mod.absmax(x)):
         raise Mismatch("absmax: a NaN in the input did not propagate")

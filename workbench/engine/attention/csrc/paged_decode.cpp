@@ -538,7 +538,7 @@ static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan);
 // the fp16 probe (its score bound) would otherwise read from memory again, a pass a layer.
 void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                 torch::Tensor& v_cache, const torch::Tensor& slots, int64_t hq, int64_t hkv,
-                const c10::optional<torch::Tensor>& absmax) {
+                const c10::optional<torch::Tensor>& absmax, int64_t layer) {
   const auto ct = k_cache.scalar_type(), xt = qkv.scalar_type();
   TORCH_CHECK(((xt == torch::kFloat && (ct == torch::kFloat || ct == torch::kBFloat16)) ||
                (xt == torch::kBFloat16 && ct == torch::kBFloat16)) && cos.scalar_type() == torch::kFloat &&
@@ -559,15 +559,23 @@ void rope_write(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   for (int64_t t = 0; t < t_n; ++t)       // validate first: a bad slot writes nothing anywhere
     TORCH_CHECK_INDEX(sl[t] >= 0 && sl[t] < num_slots, "index ", sl[t], " is out of bounds for dimension 0 "
                       "with size ", num_slots, " (rope_write: slot of token ", t, ")");
+  // absmax: [S, T], or a forward's whole [L, S, T] buffer with `layer` naming the slice this layer fills
+  // (the model then hands every layer the same tensor: no view made per layer between its kernels)
   float* am = nullptr;
+  int64_t stats = 0;
   if (absmax.has_value()) {
     const auto& a = *absmax;
-    TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.device().is_cpu() && a.is_contiguous() && a.dim() == 2 &&
-                    (a.size(0) == 2 || a.size(0) == 4) && a.size(1) == t_n,
-                "rope_write: absmax is a contiguous float32 [2, T] or [4, T] and needs float32 q|k|v");
-    am = a.data_ptr<float>();
+    const bool whole = a.dim() == 3;
+    TORCH_CHECK(xt == torch::kFloat && a.scalar_type() == torch::kFloat && a.device().is_cpu() && a.is_contiguous() &&
+                    (a.dim() == 2 || whole) && (a.size(whole) == 2 || a.size(whole) == 4) && a.size(whole + 1) == t_n,
+                "rope_write: absmax is a contiguous float32 [2, T] or [4, T] (or [L, 2 or 4, T] with a layer) and needs "
+                "float32 q|k|v");
+    TORCH_CHECK(!whole || (layer >= 0 && layer < a.size(0)), "rope_write: layer ", layer, " outside the absmax buffer's ",
+                a.size(0), " layers");
+    stats = a.size(whole);
+    am = a.data_ptr<float>() + (whole ? layer * stats * t_n : 0);
   }
-  const bool norms = am != nullptr && absmax->size(0) == 4;
+  const bool norms = am != nullptr && stats == 4;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   auto body = [&](auto* base, auto* kc, auto* vc) {
@@ -747,8 +755,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v with a float32 / bf16 cache, or bf16 "
         "q|k|v with a bf16 cache, CPU); absmax: [2, T] float32 out, each row's max |k| and |v|, or [4, T] with its largest "
-        "per-head L2 norm of k and of q too (float32 q|k|v)",
+        "per-head L2 norm of k and of q too (float32 q|k|v); or a forward's [L, 2 or 4, T] buffer, this layer's slice filled",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("hq"), py::arg("hkv"), py::arg("absmax") = py::none(),
+        py::arg("hq"), py::arg("hkv"), py::arg("absmax") = py::none(), py::arg("layer") = -1,
         py::call_guard<py::gil_scoped_release>());
 }
