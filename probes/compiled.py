@@ -5,11 +5,13 @@ from __future__ import annotations
 
 
 def kernels() -> tuple:
-    """(the attention check, the page_table checks, the page write ledger's step): workbench Kernels."""
+    """(the attention check, the page_table checks, the page write ledger's step, the packing checks):
+    workbench Kernels."""
     from .attention_native import CHECK
+    from .packing_native import CHECK as PACKING
     from .page_table_native import CHECKS
     from .page_writes_native import STEP
-    return CHECK, CHECKS, STEP
+    return CHECK, CHECKS, STEP, PACKING
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from workbench.step_record import as_numpy
+
 MAX_REPORTED = 8          # mismatches one comparison returns (a broken tensor can have thousands)
 
 
@@ -178,6 +180,35 @@ def tokens_at(token_lists: Sequence[Sequence[int]], ref: PackingReference) -> np
     return np.fromiter(chain.from_iterable(toks[a:a + n] for toks, a, n in
                                            zip(token_lists, ref.starts.tolist(), ref.q_lens.tolist())),
                        dtype=np.int64, count=ref.num_tokens)
+
+
+# ---- what a batch tells its kernels beside the index copies (our engine's PackedBatch) ----------
+def maxima_mismatches(batch, ref: PackingReference) -> list[Mismatch]:
+    """The longest query and context the batch says it has (what kernels size their work by)."""
+    out = []
+    for name, got, want in (("max_seqlen_q", batch.max_seqlen_q, ref.q_lens.max(initial=0)),
+                            ("max_seqlen_k", batch.max_seqlen_k, ref.context_lens.max(initial=0))):
+        if int(got) != int(want):
+            out.append(Mismatch("lengths", name, int(np.argmax(ref.q_lens if name.endswith("q")
+                                                               else ref.context_lens)), -1, int(got), int(want)))
+    return out
+
+
+def logits_mismatches(batch, ref: PackingReference) -> list[Mismatch]:
+    """The sampled rows: the last row of every sequence whose context reaches its whole length (every
+    row when all are: teacher forcing)."""
+    got = as_numpy(batch.logits_indices).reshape(-1)
+    t = ref.num_tokens
+    if len(got) == t and t > 0 and (got == np.arange(t)).all():
+        return []                                   # teacher forcing (score): every row
+    total = np.fromiter((s.num_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
+    rows = np.nonzero(ref.context_lens == total)[0]
+    want = ref.cu_q[1:][rows] - 1
+    if len(got) != len(want):
+        return [Mismatch("logits-indices", "logits_indices", -1, -1, len(got), len(want))]
+    bad = np.nonzero(got != want)[0][: MAX_REPORTED]
+    return [Mismatch("logits-indices", "logits_indices", int(rows[k]), int(want[k]), int(got[k]), int(want[k]))
+            for k in bad]
 
 
 # ---- a whole StepRecord (workbench/step_record.py): our engine's and vLLM's alike ----------

@@ -37,7 +37,7 @@ from workbench.events import StepFinished
 from workbench.probe import Probe
 from workbench.step_record import StepRecord, as_numpy
 
-from . import invariants
+from . import invariants, packing_native
 from .invariants import Mismatch, PackingReference
 from .plan_check import plan_mismatches
 
@@ -120,7 +120,7 @@ class PackingProbe(Probe):
             raise ValueError(f"every must be a positive int, got {every!r}")
         self.every = every
         self.batches_checked = 0
-        self._pending = None          # (batch, reference) of the forward in flight, for the post-step check
+        self._pending = None          # (step, batch, record) of the forward in flight, for the post-step check
 
     def on_attach(self, engine) -> None:
         self._tap = FirstLayerTap(self.guard(self.check_batch), self.guard(self.check_plan))
@@ -139,15 +139,17 @@ class PackingProbe(Probe):
         t0 = time.perf_counter_ns()
         self.batches_checked += 1
         rec = record_for(self.engine, batch)
-        ref = invariants.record_reference(rec)
-        self._pending = (step, batch, ref)
-        # the block table is the page_table probe's (it reads the bound device buffer, names stale binds)
-        found = invariants.record_mismatches(rec, skip_kinds=("block_table",))
-        found += self._check_maxima(batch, ref)
-        found += self._check_logits(batch, ref)
-        for m in found:
-            self._report(m, batch, ref, step)
-        self.rows.append({"step": step, "seqs": len(batch.seqs), "tokens": ref.num_tokens,
+        self._pending = (step, batch, rec)
+        found = []
+        if not packing_native.batch(rec, batch):        # compiled: nothing below would find anything
+            ref = invariants.record_reference(rec)
+            # the block table is the page_table probe's (it reads the bound device buffer, names stale binds)
+            found = invariants.record_mismatches(rec, skip_kinds=("block_table",))
+            found += invariants.maxima_mismatches(batch, ref)
+            found += invariants.logits_mismatches(batch, ref)
+            for m in found:
+                self._report(m, batch, ref, step)
+        self.rows.append({"step": step, "seqs": len(batch.seqs), "tokens": int(sum(rec.scheduled.tolist())),
                           "mismatches": len(found), "check_us": (time.perf_counter_ns() - t0) / 1e3})
         if len(self.rows) > 100_000:
             del self.rows[:50_000]
@@ -159,50 +161,29 @@ class PackingProbe(Probe):
         step = self.engine.step_count
         if plan is None or step % self.every:
             return
+        npu = hasattr(plan, "actual_seq_lengths") or hasattr(plan, "actual_seq_lengths_kv")
+        if not npu and packing_native.plan(record_for(self.engine, batch), plan):   # compiled: a clean decode plan
+            return
         ref, _ = batch_reference(self.engine, batch)
         found = plan_mismatches(plan, ref)
-        if hasattr(plan, "actual_seq_lengths") or hasattr(plan, "actual_seq_lengths_kv"):
+        if npu:
             found += invariants.packing_mismatches(ref, twins={
                 "actual_seq_lengths": (_np(getattr(plan, "actual_seq_lengths", None)), "ends_q"),
                 "actual_seq_lengths_kv": (_np(getattr(plan, "actual_seq_lengths_kv", None)), "ends_k")})
         for m in found:
             self._report(m, batch, ref, step)
 
-    def _check_maxima(self, batch, ref: PackingReference) -> list[Mismatch]:
-        out = []
-        for name, got, want in (("max_seqlen_q", batch.max_seqlen_q, ref.q_lens.max(initial=0)),
-                                ("max_seqlen_k", batch.max_seqlen_k, ref.context_lens.max(initial=0))):
-            if int(got) != int(want):
-                out.append(Mismatch("lengths", name, int(np.argmax(ref.q_lens if name.endswith("q")
-                                                                   else ref.context_lens)), -1, int(got), int(want)))
-        return out
-
-    def _check_logits(self, batch, ref: PackingReference) -> list[Mismatch]:
-        got = _np(batch.logits_indices)
-        t = ref.num_tokens
-        if len(got) == t and t > 0 and (got == np.arange(t)).all():
-            return []                                   # teacher forcing (score): every row
-        total = np.fromiter((s.num_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-        rows = np.nonzero(ref.context_lens == total)[0]
-        want = ref.cu_q[1:][rows] - 1
-        if len(got) != len(want):
-            return [Mismatch("logits-indices", "logits_indices", -1, -1, len(got), len(want))]
-        bad = np.nonzero(got != want)[0][: invariants.MAX_REPORTED]
-        return [Mismatch("logits-indices", "logits_indices", int(rows[k]), int(want[k]), int(got[k]), int(want[k]))
-                for k in bad]
-
     # ---- after the step ------------------------------------------------------------
     def on_step(self, e: StepFinished) -> None:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != e.step:
             return
-        _, batch, ref = pending
-        for i, s in enumerate(batch.seqs):
-            want = int(ref.context_lens[i])
+        _, batch, rec = pending
+        for i, (s, want) in enumerate(zip(batch.seqs, (rec.computed + rec.scheduled).tolist())):
             # a sequence preempted or aborted after the forward restarts from 0: not a drift
             if s.num_computed_tokens != want and s.num_computed_tokens != 0 and s.pages:
                 self._report(Mismatch("computed-tokens", "num_computed_tokens", i, -1, s.num_computed_tokens,
-                                      want), batch, ref, e.step)
+                                      want), batch, invariants.record_reference(rec), e.step)
 
     # ---- findings ------------------------------------------------------------------
     def _report(self, m: Mismatch, batch, ref: PackingReference, step: int) -> None:

@@ -43,7 +43,7 @@ from workbench.events import PagesFreed, StepFinished
 from workbench.probe import Probe
 
 from . import invariants, page_table_native
-from .packing import batch_reference
+from .packing import batch_reference, record_for
 
 HINT_RANGE = ("kernels (Ascend paged attention, flash_attn_with_kvcache) do not validate block ids: find "
               "who wrote this row (a table sized for another pool, an unmasked padding id, an id from "
@@ -129,10 +129,10 @@ class PageTableProbe(Probe):
         self.tables_checked += 1
         if a.size == 0:
             return
-        ref, _ = batch_reference(self.engine, batch)
-        if page_table_native.table(a, ref, n):      # compiled: nothing below would find anything
-            self.check_op_tables(batch, ref, a, n, step)
+        if page_table_native.table(a, record_for(self.engine, batch), n):   # compiled: nothing below would find anything
+            self.check_op_tables(batch, None, a, n, step)
             return
+        ref, _ = batch_reference(self.engine, batch)
         need = ref.need                                   # pages each row maps, from the sequences' state
         width = min(a.shape[1], ref.table.shape[1]) if a.ndim == 2 and a.shape[0] == len(need) else 0
         cols = np.zeros_like(a, dtype=bool)
@@ -193,6 +193,8 @@ class PageTableProbe(Probe):
         the bound table's was judged above; what is reported here is where the call's copy differs."""
         plan = getattr(batch, "attn_plan", None)
         tables = plan.op_tables() if hasattr(plan, "op_tables") else ()
+        if tables and ref is None:                    # the bound table was judged clean without one
+            ref, _ = batch_reference(self.engine, batch)
         for op, t, rows in tables:
             if t is batch.block_tables:
                 continue                                  # the bound table itself: checked above

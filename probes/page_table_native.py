@@ -27,22 +27,23 @@ import numpy as np
 
 from workbench.engine.kernels import Kernel, Spec
 
-SOURCE = Path(__file__).with_name("csrc") / "page_table.c"
-CHECKS = Kernel(Spec("pagedkv_page_table_check", (SOURCE,), "compiled page-table checks", kind="c", flags=("-O2",),
-                     headers=(), switch=("PAGEDKV_PROBE_KERNELS", "numpy")),
+CSRC = Path(__file__).with_name("csrc")
+CHECKS = Kernel(Spec("pagedkv_page_table_check", (CSRC / "page_table.c",), "compiled page-table checks", kind="c",
+                     flags=("-O2",), headers=(CSRC / "buffers.h",), switch=("PAGEDKV_PROBE_KERNELS", "numpy")),
                 fallback="the numpy checks (probes/page_table.py)", trial="probes.page_table_native:trial")
 
 
-def table(read: np.ndarray, ref, num_pages: int) -> bool:
+def table(read: np.ndarray, rec, num_pages: int) -> bool:
     """True where the numpy table check (PageTableProbe.check_table, up to the backends' own tables) would
-    find nothing in `read` (the bound table's bytes, int64 [B, W]) against ref (invariants.PackingReference);
-    False where it must look, or the compiled check is not available."""
+    find nothing in `read` (the bound table's bytes, int64 [B, W]) against the page lists of StepRecord
+    `rec` (its rows' computed tokens, chunks and own page lists: no reference is built); False where it
+    must look, or the compiled check is not available."""
     mod = CHECKS.get()
     if mod is None:
         return False
     try:
-        return mod.table(read, ref.table, ref.need, ref.short, ref.context_lens, ref.q_lens, int(num_pages))
-    except (TypeError, BufferError, ValueError):      # arrays of another dtype or layout: numpy reads them
+        return mod.table(read, rec.computed, rec.scheduled, rec.pages, rec.page_size, int(num_pages))
+    except (TypeError, BufferError, ValueError, OverflowError):   # arrays of another dtype or layout: numpy reads them
         return False
 
 
@@ -131,7 +132,7 @@ def _trial_table(mod) -> None:
     bound = np.array([[4, 2, 7, 0], [6, 9, 9, 9], [0, 0, 0, 0]], dtype=np.int64)   # past need: anything
 
     def case(what, read, r=ref, n=9):
-        want, got = clean_table(read, r, n), mod.table(read, r.table, r.need, r.short, r.context_lens, r.q_lens, n)
+        want, got = clean_table(read, r, n), mod.table(read, r.starts, r.q_lens, lists, r.page_size, n)
         if got != want:
             raise AssertionError(f"table, {what}: the compiled check says {got}, numpy's {want}")
         return want

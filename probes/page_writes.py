@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import page_writes_native
-
 _BASE = 0x100000001B3                      # FNV-64's prime: odd, so invertible mod 2**64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
 U64 = np.uint64
@@ -73,11 +71,9 @@ class Mismatch:
 
 
 class PageWriteLedger:
-    def __init__(self, num_pages: int, page_size: int, seed: int = 0, compiled: bool = True):
-        """compiled: a clean step runs in C where the module is available (page_writes_native.py);
-        False: numpy every step (the reference the compiled step is tried against)."""
+    def __init__(self, num_pages: int, page_size: int, seed: int = 0):
         n = num_pages * page_size
-        self.num_pages, self.page_size, self.seed, self.compiled = num_pages, page_size, seed, compiled
+        self.num_pages, self.page_size, self.seed = num_pages, page_size, seed
         self.writer = np.full(n, -1, dtype=np.int64)       # request id (ints: our engine's)
         self.pos = np.full(n, -1, dtype=np.int64)
         self.tok = np.full(n, -1, dtype=np.int64)
@@ -100,14 +96,7 @@ class PageWriteLedger:
         whose slot was never written is a mismatch too (else: written before we watched, unjudged).
         before: an int64 array as long as slot_mapping, filled with the request each slot held before
         this step's writes (-1: none, or outside the ledger): what the index audit names.
-        A clean step runs compiled where it can (page_writes_native: it leaves a mismatch to this code)."""
-        if self.compiled:
-            got = page_writes_native.step(self, rows, slot_mapping, strict, before)
-            if got is not None:
-                self.verified, checked, written, self.pages_written = got
-                self.positions_checked += checked
-                self.slots_written += written
-                return []
+        (page_writes_native.ledger_step runs a clean step compiled and leaves the rest to this.)"""
         ps, nslots = self.page_size, len(self.writer)
         toks, row_of, starts, s0, wrote, dones = [], [], [], [], [], []
         verify = []                                         # (row, first position, end) to check

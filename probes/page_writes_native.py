@@ -23,10 +23,23 @@ import numpy as np
 
 from workbench.engine.kernels import Kernel, Spec
 
-SOURCE = Path(__file__).with_name("csrc") / "page_writes.c"
-STEP = Kernel(Spec("pagedkv_page_writes", (SOURCE,), "compiled page write ledger", kind="c", flags=("-O2",),
-                   headers=(), switch=("PAGEDKV_PROBE_KERNELS", "numpy")),
+CSRC = Path(__file__).with_name("csrc")
+STEP = Kernel(Spec("pagedkv_page_writes", (CSRC / "page_writes.c",), "compiled page write ledger", kind="c",
+                   flags=("-O2",), headers=(CSRC / "buffers.h",), switch=("PAGEDKV_PROBE_KERNELS", "numpy")),
               fallback="the numpy ledger (probes/page_writes.py)", trial="probes.page_writes_native:trial")
+
+
+def ledger_step(ledger, rows: list, slot_mapping, strict: bool = False, before=None) -> list:
+    """ledger.step(rows, slot_mapping, strict, before) (PageWriteLedger), run compiled where the step is
+    clean: the ledger's arrays, running digests, verified rows and counters end the same either way, and
+    a step with a mismatch (or rows the C does not read) goes to the numpy step, which names it."""
+    got = step(ledger, rows, slot_mapping, strict, before)
+    if got is None:
+        return ledger.step(rows, slot_mapping, strict=strict, before=before)
+    ledger.verified, checked, written, ledger.pages_written = got
+    ledger.positions_checked += checked
+    ledger.slots_written += written
+    return []
 
 
 def step(ledger, rows: list, slot_mapping, strict: bool, before) -> tuple | None:
@@ -52,7 +65,7 @@ def trial(mod) -> None:
     ps, npages = 4, 16
 
     def pair():
-        return PageWriteLedger(npages, ps, compiled=False), PageWriteLedger(npages, ps, compiled=False)
+        return PageWriteLedger(npages, ps), PageWriteLedger(npages, ps)
 
     def run(led, compiled, rows, sm, strict=False):
         before = np.full(len(sm), -7, dtype=np.int64) if sm is not None else None

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from probes import page_writes_native
 from probes.page_writes import PageWriteLedger
 from workbench.events import EngineIdle, PagesRegistered, RequestFinished, StepFinished
 from workbench.probe import Probe
@@ -97,7 +98,7 @@ class PrefixCacheProbe(Probe):
         # who held the step's slots before it wrote them: the index audit names them
         before = np.empty(len(slots), dtype=np.int64) if slots is not None and eng.pool.enable_prefix_caching else None
         bad = {}
-        for m in led.step(rows, slots, strict=self._whole, before=before):
+        for m in page_writes_native.ledger_step(led, rows, slots, strict=self._whole, before=before):
             bad[m.request] = m.page
             self._report_hit(m, e.step)
         self.hits_checked += led.positions_checked - checked0

@@ -244,7 +244,8 @@ def test_doctor_in_process_json(capsys, monkeypatch):
     from probes.compiled import kernels
     assert report["probe_kernels"] == {k.spec.what.removeprefix("compiled "): "compiled" if k.get() is not None else f"numpy ({k.why()})"
                                        for k in kernels()}
-    assert set(report["probe_kernels"]) == {"attention check", "page-table checks", "page write ledger"}
+    assert set(report["probe_kernels"]) == {"attention check", "page-table checks", "page write ledger",
+                                              "packing checks"}
 
 
 def test_doctor_unknown_device_exits_nonzero(capsys):

@@ -117,3 +117,75 @@ def test_fault_parameters_are_typed(sharp_llama_dir):
         faults.make(eng, "cu_seqlens_corrupt", mode="flip")
     for name in faults.FAULTS:                       # every fault builds with its defaults
         assert faults.make(eng, name).name == name
+
+
+# ---- the packing probe's compiled clean paths (probes/packing_native.py) ------------------------------
+def test_the_compiled_packing_checks_are_tried_against_numpy_and_blind_ones_refused():
+    import pytest
+    from conftest import require_compiled
+    from probes import packing_native as native
+    mod = require_compiled(native.CHECK, "the compiled packing checks")
+    native.trial(mod)
+
+    class BlindToSlots:               # skips the slot mapping: a K/V write into another slot reads clean
+        decode_plan = staticmethod(mod.decode_plan)
+
+        @staticmethod
+        def batch(c, s, pages, toks, ps, copies, *rest):
+            return mod.batch(c, s, pages, toks, ps, [(k, a) for k, a in copies if k != native.KINDS["slot_mapping"]],
+                             *rest)
+    with pytest.raises(AssertionError, match="batch, a slot of another page"):
+        native.trial(BlindToSlots)
+
+    class BlindToTables:              # checks the rows, not the pages each walks
+        batch = staticmethod(mod.batch)
+
+        @staticmethod
+        def decode_plan(tok, rows, lens, tables, *rest):
+            return mod.decode_plan(tok, rows, lens, tables * 0, *rest) or True
+    with pytest.raises(AssertionError, match="decode plan, a query at another token"):
+        native.trial(BlindToTables)
+
+
+def test_the_compiled_packing_checks_answer_a_healthy_run_and_leave_findings_to_numpy(sharp_llama_dir, monkeypatch):
+    # a healthy run with prefix sharing, chunks and preemption: the compiled checks answer every clean batch
+    # and decode plan, the numpy ones run only where they say look, and the probe's rows are the same
+    from probes import packing_native as native
+    from conftest import require_compiled
+    require_compiled(native.CHECK, "the compiled packing checks")
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 200, 40).tolist()
+    prompts = [prefix + rng.integers(3, 200, n).tolist() for n in (5, 30, 60)] + [rng.integers(3, 200, 70).tolist()]
+    real = {"batch": native.batch, "plan": native.plan}
+    said, frames = {"batch": [], "plan": []}, []
+    for compiled in (True, False):
+        for name in real:
+            monkeypatch.setattr(native, name, (lambda n: lambda *a: said[n].append(real[n](*a)) or said[n][-1])(name)
+                                if compiled else (lambda *a: False))
+        eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=14, max_num_batched_tokens=64))
+        wb = Workbench(eng, log=False).attach("packing", "page_table")
+        eng.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert wb.findings_at_least("warn") == [] and eng.stats()["num_preemptions"] > 0
+        frames.append(wb.probe("packing").frame().drop(columns="check_us"))
+    assert said["batch"] and all(said["batch"]) and said["plan"] and any(said["plan"])
+    assert frames[0].equals(frames[1])
+    # a slot mapping bug through the real builder: the compiled check says look, numpy names the token
+    from workbench.engine.batch import BatchBuilder
+    build = BatchBuilder.build
+
+    def slipped(self, *a, **kw):
+        b = build(self, *a, **kw)
+        if b.slot_mapping.shape[0] > 3:
+            b.slot_mapping[3] += 1
+        return b
+    prompt, greedy = list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True)
+    clean = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64)).generate([prompt], greedy)[0].token_ids
+    monkeypatch.setattr(BatchBuilder, "build", slipped)
+    said["batch"].clear()
+    monkeypatch.setattr(native, "batch", lambda *a: said["batch"].append(real["batch"](*a)) or said["batch"][-1])
+    eng = Engine.from_pretrained(sharp_llama_dir, EngineConfig(num_pages=64))
+    wb = Workbench(eng, log=False).attach("packing")
+    out = eng.generate([prompt], greedy)[0]
+    f = next(f for f in wb.findings_at_least("error") if f.kind == "packing-slot-mapping")
+    assert out.token_ids != clean                                  # the slipped write changed the text
+    assert said["batch"][0] is False and f.request_id == out.request_id and f.evidence["token"] == 3

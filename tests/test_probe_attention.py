@@ -252,8 +252,8 @@ def test_the_probes_compiled_paths_stay_unloaded_where_switched_off(setting, why
                            "[print(k.get() is None, k.why()) for k in kernels()]"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()            # the attention check's, the page_table checks', the ledger's
-    assert len(lines) == 3 and all(ln.startswith("True") and why in ln for ln in lines), done.stdout
+    lines = done.stdout.splitlines()            # the attention check's, page_table's, the ledger's, packing's
+    assert len(lines) == 4 and all(ln.startswith("True") and why in ln for ln in lines), done.stdout
 
 
 @pytest.mark.parametrize("bug", [rope_slip_in_decode, page_walk_skips_a_page], ids=lambda b: b.__name__)

@@ -176,3 +176,36 @@ def test_every_samples_and_detach_unwires(sharp_llama_dir):
     wb.detach()
     assert eng.pool.observer is None and eng.model.hooks is None
     assert not any(eng.bus.wants(t) for t in EVENT_TYPES)
+
+
+def test_the_plain_clean_answer_agrees_with_every_rule():
+    # plainly_clean is the probe's shortcut: wherever it says clean, check_cu_seqlens finds nothing; and on
+    # every planted break (and on many random tensors) it does not say clean
+    import itertools
+
+    import numpy as np
+    import torch
+
+    from probes.cu_seqlens import check_cu_seqlens, plainly_clean
+    rng = np.random.default_rng(0)
+    lengths = [5, 1, 9, 3]
+    good = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    breaks = {"int64": good.long(), "strided": torch.stack([good, good], 1)[:, 0],
+              "a decrease": torch.tensor([0, 5, 4, 15, 18], dtype=torch.int32),
+              "a span off": torch.tensor([0, 5, 7, 15, 18], dtype=torch.int32),
+              "a missing entry": good[:-1].contiguous(), "a leading 1": good + 1}
+    assert plainly_clean(good, lengths, num_seqs=4, max_seqlen=9) and not check_cu_seqlens(
+        good, 18, num_seqs=4, lengths=lengths, max_seqlen=9, device="cpu")
+    assert not plainly_clean(good, lengths, num_seqs=4, max_seqlen=8)
+    for what, t in breaks.items():
+        assert check_cu_seqlens(t, 18, num_seqs=4, lengths=lengths, max_seqlen=9, device="cpu"), what
+        assert not plainly_clean(t, lengths, num_seqs=4, max_seqlen=9), what
+    for _ in range(300):
+        n = int(rng.integers(1, 6))
+        lens = rng.integers(0, 4, n).tolist()
+        cu = list(itertools.accumulate(lens, initial=0))
+        if rng.random() < 0.5:
+            cu[int(rng.integers(0, n + 1))] += int(rng.integers(-2, 3))
+        t, mx = torch.tensor(cu, dtype=torch.int32), int(max(lens)) + int(rng.integers(0, 2))
+        if plainly_clean(t, lens, num_seqs=n, max_seqlen=mx):
+            assert not check_cu_seqlens(t, sum(lens), num_seqs=n, lengths=lens, max_seqlen=mx, device="cpu"), (cu, lens)

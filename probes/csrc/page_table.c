@@ -2,10 +2,10 @@
  * checks in probes/page_table.py are the reference, and report): the bound block table against the
  * sequences' page lists (every forward), and the live page tables against the pool (every step).
  *
- * table(): the bytes the kernels read (a host copy of the bound table) against the table rebuilt from
- * each sequence's own page list (invariants.reference), over the columns each row's context reads:
- * equal, inside the pool, no row that reads its context from pages holding only zeros, no page list
- * shorter than its context. One pass over [B, W] where numpy took ~20 small operations at layer 0.
+ * table(): the bytes the kernels read (a host copy of the bound table) against each sequence's own page
+ * list, over the columns each row's context reads: equal, inside the pool, no row that reads its context
+ * from pages holding only zeros, no page list shorter than its context. One pass over [B, W] where numpy
+ * built the reference table and took ~20 small operations at layer 0.
  *
  * scan(): the scan runs after every step, when the forward and the sampler have streamed the model
  * through the caches, and its ~30 small numpy operations each paid a cold dispatch (~270 us a step on
@@ -15,22 +15,9 @@
  * page) returns None: the numpy scan then runs and names each finding. It reads the sequences' own
  * page lists and generations and the pool's raw arrays, never the pool's own accounting of them.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "buffers.h"
 #include <stdlib.h>
 #include <string.h>
-
-/* b over o's memory (C-contiguous, shape known), items of itemsize bytes; on failure nothing is held */
-static int hold(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (b->itemsize != itemsize) {
-        PyBuffer_Release(b);
-        PyErr_Format(PyExc_TypeError, "page_table: %s must hold %zd-byte items", what, itemsize);
-        return -1;
-    }
-    return 0;
-}
 
 /* scan(page_lists, generation_lists, ref, generation, is_free) -> (mapped pages, shared pages) or None
  *   page_lists        the live sequences' page lists (lists of ints)
@@ -44,12 +31,12 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!OOO", &PyList_Type, &lists, &PyList_Type, &gens, &oref, &ogen, &ofree))
         return NULL;
     Py_buffer bref, bgen, bfree;
-    if (hold(oref, &bref, 8, "ref") < 0) return NULL;
-    if (hold(ogen, &bgen, 8, "generation") < 0) {
+    if (hold(oref, &bref, 8, 0, "page_table", "ref") < 0) return NULL;
+    if (hold(ogen, &bgen, 8, 0, "page_table", "generation") < 0) {
         PyBuffer_Release(&bref);
         return NULL;
     }
-    if (hold(ofree, &bfree, 1, "is_free") < 0) {
+    if (hold(ofree, &bfree, 1, 0, "page_table", "is_free") < 0) {
         PyBuffer_Release(&bref);
         PyBuffer_Release(&bgen);
         return NULL;
@@ -121,46 +108,55 @@ done:
     return result;
 }
 
-/* table(read, table, need, short, context_lens, q_lens, num_pages) -> bool: True where the numpy check
+/* table(read, computed, scheduled, pages, page_size, num_pages) -> bool: True where the numpy check
  * would find nothing (False: it must look, and it names what is off)
- *   read   int64 [B, W]: the bound table's bytes, as the kernels read them
- *   table  int64 [B, Wr]: the pages each sequence's own list puts there; need [B] the columns each row
- *          reads; short [B] (bool) a page list shorter than that; context_lens, q_lens [B] */
+ *   read                 int64 [B, W]: the bound table's bytes, as the kernels read them
+ *   computed, scheduled  [B] each row's tokens before the step and its chunk (its context: their sum)
+ *   pages                each row's own page list
+ * Over the columns each row's context reads: the page its own list puts there, inside the pool; no
+ * page list shorter than the context, no table narrower than it, no row that reads its context from
+ * pages holding only zeros. The table the sequences mean is walked row by row, never built. */
 static PyObject *table(PyObject *self, PyObject *args) {
-    PyObject *oread, *otab, *oneed, *oshort, *octx, *oq;
-    long long num_pages;
-    if (!PyArg_ParseTuple(args, "OOOOOOL", &oread, &otab, &oneed, &oshort, &octx, &oq, &num_pages)) return NULL;
-    Py_buffer b[6];
-    PyObject *o[6] = {oread, otab, oneed, oshort, octx, oq};
-    const Py_ssize_t size[6] = {8, 8, 8, 1, 8, 8};
-    const char *what[6] = {"read", "table", "need", "short", "context_lens", "q_lens"};
+    PyObject *oread, *ocomp, *osched, *pages;
+    long long ps, num_pages;
+    if (!PyArg_ParseTuple(args, "OOOO!LL", &oread, &ocomp, &osched, &PyList_Type, &pages, &ps, &num_pages)) return NULL;
+    if (ps <= 0) {
+        PyErr_SetString(PyExc_ValueError, "page_table: page_size must be positive");
+        return NULL;
+    }
+    Py_buffer b[3];
+    PyObject *o[3] = {oread, ocomp, osched};
+    const Py_ssize_t size[3] = {8, 0, 0};
+    const char *what[3] = {"read", "computed", "scheduled"};
     int held = 0;
     PyObject *result = NULL;
-    for (; held < 6; held++)
-        if (hold(o[held], &b[held], size[held], what[held]) < 0) goto done;
-    int clean = b[0].ndim == 2 && b[1].ndim == 2;
-    const Py_ssize_t B = clean ? b[1].shape[0] : 0, Wr = clean ? b[1].shape[1] : 0;
+    for (; held < 3; held++)
+        if (hold(o[held], &b[held], size[held], 0, "page_table", what[held]) < 0) goto done;
+    const Py_ssize_t B = count(&b[1]);
+    int clean = b[0].ndim == 2 && b[0].shape[0] == B && count(&b[2]) == B && PyList_GET_SIZE(pages) == B;
     const Py_ssize_t W = clean ? b[0].shape[1] : 0;
-    clean = clean && b[0].shape[0] == B && b[2].len / 8 == B && b[3].len == B && b[4].len / 8 == B &&
-            b[5].len / 8 == B;
-    const int64_t *read = b[0].buf, *tab = b[1].buf, *need = b[2].buf, *ctx = b[4].buf, *q = b[5].buf;
-    const int8_t *shrt = b[3].buf;
+    const int64_t *read = b[0].buf;
     for (Py_ssize_t r = 0; r < B && clean; r++) {
-        const Py_ssize_t k = need[r];
-        if (shrt[r] || k < 0 || k > W || k > Wr) {    /* a short list, a table narrower than the context */
+        const int64_t c0 = ival(&b[1], r), q = ival(&b[2], r), ctx = c0 + q;
+        PyObject *pl = PyList_GET_ITEM(pages, r);
+        const int64_t k = ctx > 0 ? (ctx + ps - 1) / ps : 0;
+        if (c0 < 0 || q < 0 || !PyList_Check(pl) || PyList_GET_SIZE(pl) < k || k > W) {   /* short, narrow */
             clean = 0;
             break;
         }
         int any = 0;
         for (Py_ssize_t c = 0; c < k; c++) {
             const int64_t p = read[r * W + c];
-            if (p != tab[r * Wr + c] || p < 0 || p >= num_pages) {
+            PyObject *item = PyList_GET_ITEM(pl, c);
+            long long want = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+            if (!PyLong_Check(item) || (want == -1 && PyErr_Occurred()) || p != want || p < 0 || p >= num_pages) {
+                PyErr_Clear();
                 clean = 0;
                 break;
             }
             any |= p != 0;
         }
-        if (clean && !any && ctx[r] > q[r]) clean = 0;  /* reads pages, all zero: numpy judges the row */
+        if (clean && !any && ctx > q) clean = 0;      /* reads pages, all zero: numpy judges the row */
     }
     result = PyBool_FromLong(clean);
 done:
@@ -169,7 +165,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"table", table, METH_VARARGS, "table(read, table, need, short, context_lens, q_lens, num_pages) -> "
+    {"table", table, METH_VARARGS, "table(read, computed, scheduled, pages, page_size, num_pages) -> "
                                    "True where the bound table is clean"},
     {"scan", scan, METH_VARARGS, "scan(page_lists, generation_lists, ref, generation, is_free) -> "
                                  "(mapped pages, shared pages), or None where something is off"},

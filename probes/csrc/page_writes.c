@@ -16,9 +16,7 @@
  * The digest: D(n) = B**n * S(n), S(n) = seed + sum_{k<=n} (t_k + 1) * B**-k, all mod 2**64 (unsigned
  * arithmetic wraps as numpy's uint64 does).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "buffers.h"
 #include <stdlib.h>
 
 #define BASE 0x100000001B3ULL                  /* FNV-64's prime, as page_writes._BASE */
@@ -62,16 +60,6 @@ static long long item_ll(PyObject *seq, Py_ssize_t i, int *bad) {
     return v;
 }
 
-static int hold(PyObject *o, Py_buffer *b, int writable, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    if (b->itemsize != 8) {
-        PyBuffer_Release(b);
-        PyErr_Format(PyExc_TypeError, "page_writes: %s must hold 8-byte items", what);
-        return -1;
-    }
-    return 0;
-}
-
 /* step(rows, slot_mapping, state, seed, writer, pos, tok, digest, page_size, strict, before)
  *   -> (verified [(request, lo, hi)], positions checked, slots written, pages written), or None
  *   rows          per batch row (request id, token ids, computed before the step, scheduled, page list)
@@ -106,7 +94,7 @@ static PyObject *step(PyObject *self, PyObject *args) {
     const char *names[6] = {"writer", "pos", "tok", "digest", "slot_mapping", "before"};
     const int nbuf = osm == Py_None ? 4 : obefore == Py_None ? 5 : 6;
     for (; held < nbuf; held++)
-        if (hold(objs[held], &b[held], held < 4 || held == 5, names[held]) < 0) goto done;
+        if (hold(objs[held], &b[held], 8, held < 4 || held == 5, "page_writes", names[held]) < 0) goto done;
     int64_t *writer = b[0].buf, *pos = b[1].buf, *tok = b[2].buf;
     uint64_t *digest = b[3].buf;
     const Py_ssize_t nslots = b[0].len / 8;

@@ -47,8 +47,8 @@ TABLE: tuple[Var, ...] = (
     Var("PAGEDKV_BF16", "bf16_mode", BF16_MODES,
         "native: bf16 GEMMs; storage: bf16 weights and KV computed in fp32 (auto: what the CPU has)"),
     Var("PAGEDKV_PROBE_KERNELS", None, ("compiled", "numpy"),
-        "numpy: the probes' clean paths in numpy (the attention check, the page_table checks); their C twins "
-        "(probes/csrc/) are not loaded", "compiled"),
+        "numpy: the probes' clean paths in numpy (the attention check, the page_table checks, the page write "
+        "ledger's step, the packing checks); their C twins (probes/csrc/, listed in probes/compiled.py) are not loaded", "compiled"),
     Var("PAGEDKV_HUGEPAGES", "hugepages", HUGEPAGES, "off: the KV cache in 4 KiB pages (torch.zeros)"),
     Var("PAGEDKV_QUANT_LAYOUT", "quant_layout", QUANT_LAYOUTS,
         "off: float32 decode streams float32 weights, not a GGUF's Q4_1 / Q8_0 blocks"),
