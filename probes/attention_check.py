@@ -131,6 +131,7 @@ class AttentionCheckProbe(Probe):
         self.pictures: dict = {}         # (kind, request, layer) -> the weights figure()'s picture draws
         self._plan = None
         self._q = None
+        self._tol_for: dict = {}
 
     def on_attach(self, engine) -> None:
         self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out),
@@ -150,7 +151,10 @@ class AttentionCheckProbe(Probe):
         if self._tol is not None:
             return float(self._tol)
         dts = (self.engine.model.dtype, self.engine.kv.k[0].dtype)
-        return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16])[0] for d in dts)
+        got = self._tol_for.get(dts)                    # asked every forward: kept per (model, cache) dtype
+        if got is None:
+            got = self._tol_for[dts] = max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16])[0] for d in dts)
+        return got
 
     # ---- taps ------------------------------------------------------------------------------
     def _forward_layers(self, batch):
@@ -169,7 +173,7 @@ class AttentionCheckProbe(Probe):
     def _on_hidden(self, layer, h, batch) -> None:
         p = self._plan
         if p is not None and layer == p["layer"] - 1:       # the input of the checked layer
-            p["h"] = h.index_select(0, p["abs_rows"]).clone()
+            p["h"] = h.index_select(0, p["abs_rows"])        # a copy: the model writes h on
 
     def _on_kv(self, layer, k, v, batch) -> None:
         q, self._q = self._q, None
@@ -221,9 +225,10 @@ class AttentionCheckProbe(Probe):
         sel = self._rows(n, f)
         dev = batch.input_ids.device
         rows = sel + int(starts[i])                         # the checked rows' places in the packed batch
+        on = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
         return {"seq": s, "batch": batch, "index": i, "row": int(starts[i]), "n": n, "start": s.num_computed_tokens,
-                "kind": kind, "layer": f % nl, "sel": torch.from_numpy(sel).to(dev), "sel_np": sel, "rows_np": rows,
-                "abs_rows": torch.from_numpy(rows).to(dev), "step": self.engine.step_count}
+                "kind": kind, "layer": f % nl, "sel": on(sel), "sel_np": sel, "rows_np": rows,
+                "abs_rows": on(rows), "step": self.engine.step_count}
 
     def _rows(self, n: int, f: int) -> np.ndarray:
         """The query rows of an n-row chunk to check (attention_math.sample_rows): a bug at one row offset

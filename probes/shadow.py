@@ -41,6 +41,7 @@ one Python call (forward_layers says: no layer).
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
-def scheduled_rows(engine, batch) -> tuple[list[int], np.ndarray]:
+def scheduled_rows(engine, batch) -> tuple[list[int], list[int]]:
     """Each sequence's query rows this forward and where they start in the packed batch: the
     scheduler's decision (the step record), not cu_seqlens, which is what a packing bug corrupts;
     cu_seqlens only for a forward the scheduler did not plan."""
@@ -89,7 +90,7 @@ def scheduled_rows(engine, batch) -> tuple[list[int], np.ndarray]:
         ns = [int(n) for _, n in sched]
     else:
         ns = np.diff(batch.cu_seqlens_q_np).astype(int).tolist()
-    return ns, np.concatenate([[0], np.cumsum(ns)]).astype(int)
+    return ns, list(accumulate(ns, initial=0))             # a few Python adds, not three cold numpy calls
 
 
 def checkable(seq, n: int, page_size: int, num_pages: int, budget: int | None = None) -> bool:
