@@ -65,9 +65,11 @@ class GcClock:
 def paired_steps(engines, prompts, new, repeats, log, desc, probes=True):
     """Per repeat: the workbench (every probe when `probes`, the event log when `log`) on
     engines[r % 2], the other bare; both take the workload, stepping in turn. Returns
-    (losses, the probed engine's seconds, the bare one's, each repeat's Workbench.costs() or None)."""
+    (losses, the probed engine's seconds, the bare one's, each repeat's Workbench.costs() or None, and per
+    repeat where the extra time fell: {kind: (probed seconds - bare seconds, the probed engine's callback
+    seconds)} for kind "decode" (steps of at most 64 tokens) and "prefill" (the others))."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    losses, on_s, off_s, costs = [], [], [], []
+    losses, on_s, off_s, costs, split = [], [], [], [], []
     clock = GcClock()
     try:
         for r in tqdm(range(repeats), desc=desc):
@@ -80,16 +82,25 @@ def paired_steps(engines, prompts, new, repeats, log, desc, probes=True):
                 for p in prompts:
                     e.add_request(p, params)
             spent = {id(on_e): 0.0, id(off_e): 0.0}
+            kinds = {kind: [0.0, 0.0] for kind in ("decode", "prefill")}      # extra seconds, callback seconds
+            probe_ns = lambda: sum(p.cost_ns for p in wb.probes.values())      # noqa: E731
             gc_spent, k = 0.0, 0
             while on_e.has_unfinished() or off_e.has_unfinished():
                 for e in ((on_e, off_e) if k % 2 == 0 else (off_e, on_e)):
                     if e.has_unfinished():
+                        c0 = probe_ns() if e is on_e else 0
                         g0, t0 = clock.spent, time.perf_counter()
                         e.step()
                         g = clock.spent - g0
-                        spent[id(e)] += time.perf_counter() - t0 - g
+                        dt = time.perf_counter() - t0 - g
+                        spent[id(e)] += dt
                         gc_spent += g
+                        kind = kinds["decode" if e.step_record.num_tokens <= 64 else "prefill"]
+                        kind[0] += dt if e is on_e else -dt
+                        if e is on_e:
+                            kind[1] += (probe_ns() - c0) / 1e9
                 k += 1
+            split.append(kinds)
             costs.append(wb.costs() if probes else None)
             wb.close()                        # probes and the workbench's own subscription: the twin stays bare
             if wb.log is not None:
@@ -100,7 +111,7 @@ def paired_steps(engines, prompts, new, repeats, log, desc, probes=True):
             losses.append(1 - t_off / t_on)
     finally:
         clock.close()
-    return np.array(losses), np.array(on_s), np.array(off_s), costs
+    return np.array(losses), np.array(on_s), np.array(off_s), costs, split
 
 
 def main(argv=None):
@@ -120,7 +131,7 @@ def main(argv=None):
     engines = (Engine.from_default(cfg), Engine.from_default(cfg))        # the probed one and its bare twin
     for e in engines:
         run(e, workload(4, seed=1), 4)                                     # warm-up
-    lost, on, off, costs = paired_steps(engines, prompts, a.new_tokens, a.repeats, True, "all probes + log")
+    lost, on, off, costs, split = paired_steps(engines, prompts, a.new_tokens, a.repeats, True, "all probes + log")
     lost_bare, *_ = paired_steps(engines, prompts, a.new_tokens, a.side_repeats, False, "probes alone")
     lost_log, *_ = paired_steps(engines, prompts, a.new_tokens, a.side_repeats, True, "event log alone",
                                 probes=False)
@@ -133,6 +144,14 @@ def main(argv=None):
           f"steps ({rng(lost)}) (target <= 5%)")
     print(f"  the probes alone (no event log): median {np.median(lost_bare):.1%} ({rng(lost_bare)}); "
           f"the event log alone: median {np.median(lost_log):.1%} ({rng(lost_log)})")
+    # where the extra time fell, as shares of the probed run (medians over repeats): decode steps pay the
+    # per-forward checks on ~35 ms steps, prefill steps the same checks on ~1.5 s ones
+    for kind in ("decode", "prefill"):
+        extra = np.array([sp[kind][0] for sp in split]) / on
+        cb = np.array([sp[kind][1] for sp in split]) / on
+        print(f"  {kind} steps: extra time {np.median(extra):.2%} of the run, of it the probes' callbacks "
+              f"{np.median(cb):.2%}, beyond them {np.median(extra - cb):.2%} (the engine's hooks and events, the log, and "
+              f"what all of it does to the work around it)")
     i = int(np.argsort(lost)[len(lost) // 2])                # the median repeat's callbacks
     best = costs[i]
     best["share_of_run"] = best["seconds"] / on[i]
