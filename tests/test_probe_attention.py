@@ -186,7 +186,8 @@ def test_the_clean_path_computes_the_torch_checks_errors(sharp_llama_dir, monkey
     if path == "numpy":
         monkeypatch.setattr(attention_native, "module", lambda cache, dtype: None)
     else:
-        assert attention_native.CHECK.get() is not None, attention_native.CHECK.why()
+        from conftest import require_compiled
+        require_compiled(attention_native.CHECK, "the compiled attention check")
     pairs, torch_runs = [], []
     clean, full = AttentionCheckProbe._clean_errors, AttentionCheckProbe._check_torch
 
@@ -217,9 +218,9 @@ def test_the_clean_path_computes_the_torch_checks_errors(sharp_llama_dir, monkey
 
 
 def test_the_compiled_check_is_tried_against_numpy_and_a_wrong_one_refused():
+    from conftest import require_compiled
     from probes import attention_native
-    mod = attention_native.CHECK.get()
-    assert mod is not None, attention_native.CHECK.why()
+    mod = require_compiled(attention_native.CHECK, "the compiled attention check")
     attention_native.trial(mod)                     # what the loader ran once: it passes on the real module
 
     class Blind:                                    # the module, but blind to a slot written wrong

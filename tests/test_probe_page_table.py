@@ -282,9 +282,9 @@ def test_a_probe_bug_never_reaches_the_engine(sharp_llama_dir):
 
 # ---- the compiled clean paths (probes/page_table_native.py) ------------------------------------
 def test_the_compiled_checks_are_tried_against_numpy_and_blind_ones_refused():
+    from conftest import require_compiled
     from probes import page_table_native as native
-    mod = native.CHECKS.get()
-    assert mod is not None, native.CHECKS.why()
+    mod = require_compiled(native.CHECKS, "the compiled page-table checks")
     native.trial(mod)
 
     class BlindScan:                  # counts the pages right, and says clean whatever the pool holds
@@ -310,7 +310,9 @@ def test_the_compiled_checks_are_tried_against_numpy_and_blind_ones_refused():
 def test_the_compiled_checks_give_the_numpy_checks_rows(sharp_llama_dir, monkeypatch):
     # the healthy workload above (shared prefixes, chunks, preemption) twice: its scan rows are the
     # same whichever checks ran, and the compiled ones answered every clean table and scan
+    from conftest import require_compiled
     from probes import page_table_native as native
+    require_compiled(native.CHECKS, "the compiled page-table checks")
     prefix = random_prompts([48], seed=5)[0]
     prompts = [prefix + p for p in random_prompts([5, 30, 70, 12, 40], seed=6)] + random_prompts([90], seed=7)
     frames, answered = [], {"scan": [], "table": []}
