@@ -47,13 +47,19 @@ def batch(rec, b) -> bool:
     if mod is None or rec.unscheduled or rec.missing:
         return False
     try:
-        copies = [(KINDS[kind], got) for name, (kind, _) in rec.copies.items() if kind != "block_table"
-                  for got in (rec.array(name),) if got is not None]
-        totals = np.fromiter((s.num_tokens for s in b.seqs), dtype=np.int64, count=len(b.seqs))
-        return mod.batch(rec.computed, rec.scheduled, rec.pages, rec.token_ids, rec.page_size, copies,
-                         int(b.max_seqlen_q), int(b.max_seqlen_k), _ints(b.logits_indices), totals)
+        return mod.batch(*_batch_args(rec, b))
     except (TypeError, BufferError, ValueError, KeyError, AttributeError, OverflowError):
         return False                          # arrays of another layout or a record of another shape: numpy reads it
+
+
+def _batch_args(rec, b) -> tuple:
+    """packing.c batch()'s arguments from a StepRecord and its batch: every copy but the block table (the
+    page_table probe's), the maxima, the sampled rows and each row's whole token count."""
+    copies = [(KINDS[kind], got) for name, (kind, _) in rec.copies.items() if kind != "block_table"
+              for got in (rec.array(name),) if got is not None]
+    totals = np.fromiter((s.num_tokens for s in b.seqs), dtype=np.int64, count=len(b.seqs))
+    return (rec.computed, rec.scheduled, rec.pages, rec.token_ids, rec.page_size, copies, int(b.max_seqlen_q),
+            int(b.max_seqlen_k), _ints(b.logits_indices), totals)
 
 
 def plan(rec, p) -> bool:
@@ -128,12 +134,7 @@ def trial(mod) -> None:
     rec0, b0, ref = _record(computed, scheduled, pages, toks)
 
     def check(what, rec, b):
-        want, got = _clean_batch_numpy(rec, b), mod.batch(rec.computed, rec.scheduled, rec.pages, rec.token_ids,
-                                                           rec.page_size, [(KINDS[k], rec.array(n)) for n, (k, _) in
-                                                                           rec.copies.items() if k != "block_table"],
-                                                           int(b.max_seqlen_q), int(b.max_seqlen_k),
-                                                           _ints(b.logits_indices),
-                                                           np.array([s.num_tokens for s in b.seqs], dtype=np.int64))
+        want, got = _clean_batch_numpy(rec, b), mod.batch(*_batch_args(rec, b))
         if got != want:
             raise AssertionError(f"batch, {what}: the compiled check says {got}, numpy's {want}")
         return want

@@ -28,6 +28,18 @@ static inline int64_t ival(const Py_buffer *b, Py_ssize_t i) {
     return b->itemsize == 8 ? ((const int64_t *)b->buf)[i] : (int64_t)((const int32_t *)b->buf)[i];
 }
 
+/* the int at list[i] (a Python list), or -1 with *bad set where it is not an int that fits int64: the
+ * caller then answers "look" and numpy reads (and reports) the list */
+static inline long long list_ll(PyObject *list, Py_ssize_t i, int *bad) {
+    PyObject *o = PyList_GET_ITEM(list, i);
+    long long v = PyLong_Check(o) ? PyLong_AsLongLong(o) : -1;
+    if (!PyLong_Check(o) || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *bad = 1;
+    }
+    return v;
+}
+
 /* items in a held buffer */
 static inline Py_ssize_t count(const Py_buffer *b) { return b->len / b->itemsize; }
 

@@ -19,17 +19,6 @@
 
 enum { K_POSITIONS, K_SLOTS, K_INPUT_IDS, K_Q, K_DIFF_Q, K_CU_Q, K_CTX, K_CU_K, K_ENDS_Q, K_ENDS_K, K_KINDS };
 
-/* the int at list[i], *bad set where it is not one */
-static inline long long litem(PyObject *list, Py_ssize_t i, int *bad) {
-    PyObject *o = PyList_GET_ITEM(list, i);
-    long long v = PyLong_Check(o) ? PyLong_AsLongLong(o) : -1;
-    if (!PyLong_Check(o) || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        *bad = 1;
-    }
-    return v;
-}
-
 typedef struct {
     Py_buffer computed, scheduled;
     int held;
@@ -169,8 +158,8 @@ static PyObject *batch(PyObject *self, PyObject *args) {
                     if (kind == K_POSITIONS) ok = got == pos;
                     else if (kind == K_SLOTS) {
                         if (pos / ps >= PyList_GET_SIZE(pl)) continue;        /* a short page list: page_table's */
-                        ok = got == litem(pl, pos / ps, &bad) * ps + pos % ps && !bad;
-                    } else if (tl != NULL) ok = got == litem(tl, pos, &bad) && !bad;
+                        ok = got == list_ll(pl, pos / ps, &bad) * ps + pos % ps && !bad;
+                    } else if (tl != NULL) ok = got == list_ll(tl, pos, &bad) && !bad;
                 }
             }
             break;
@@ -248,7 +237,7 @@ static PyObject *decode_plan(PyObject *self, PyObject *args) {
         if (PyList_GET_SIZE(pl) < need) continue;                   /* short: page_table's finding */
         const int64_t w = need < tw ? need : tw;
         for (int64_t c = 0; c < w; c++)
-            if (ival(&b[3], row * tw + c) != litem(pl, c, &bad) || bad) goto verdict;
+            if (ival(&b[3], row * tw + c) != list_ll(pl, c, &bad) || bad) goto verdict;
     }
     clean = 1;                                                      /* n == nb distinct rows: all covered */
 verdict:

@@ -144,13 +144,10 @@ static PyObject *table(PyObject *self, PyObject *args) {
             clean = 0;
             break;
         }
-        int any = 0;
+        int any = 0, bad = 0;
         for (Py_ssize_t c = 0; c < k; c++) {
             const int64_t p = read[r * W + c];
-            PyObject *item = PyList_GET_ITEM(pl, c);
-            long long want = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
-            if (!PyLong_Check(item) || (want == -1 && PyErr_Occurred()) || p != want || p < 0 || p >= num_pages) {
-                PyErr_Clear();
+            if (p != list_ll(pl, c, &bad) || bad || p < 0 || p >= num_pages) {
                 clean = 0;
                 break;
             }

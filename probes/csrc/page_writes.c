@@ -45,21 +45,6 @@ typedef struct {
     int skip;                                   /* nothing to digest (end <= done) */
 } Row;
 
-/* the int at seq[i], or -1 with *bad set where it is not one (an int outside int64 too) */
-static long long item_ll(PyObject *seq, Py_ssize_t i, int *bad) {
-    PyObject *o = PyList_GET_ITEM(seq, i);
-    if (!PyLong_Check(o)) {
-        *bad = 1;
-        return -1;
-    }
-    long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        *bad = 1;
-    }
-    return v;
-}
-
 /* step(rows, slot_mapping, state, seed, writer, pos, tok, digest, page_size, strict, before)
  *   -> (verified [(request, lo, hi)], positions checked, slots written, pages written), or None
  *   rows          per batch row (request id, token ids, computed before the step, scheduled, page list)
@@ -173,13 +158,13 @@ static PyObject *step(PyObject *self, PyObject *args) {
         const Py_ssize_t npg = PyList_GET_SIZE(opg);
         const int check = done_ < r->c && r->c <= npg * ps;      /* a short page list: page_table's finding */
         for (long long p = done_; p < r->c; p++) {               /* the hit: digests checked, not kept */
-            long long t = item_ll(r->tokens, p, &bad);
+            long long t = list_ll(r->tokens, p, &bad);
             s += (uint64_t)(t + 1) * iv;
             const uint64_t d = fwd * s;
             fwd *= BASE;
             iv *= inv;
             if (!check) continue;
-            long long page = item_ll(opg, p / ps, &bad);
+            long long page = list_ll(opg, p / ps, &bad);
             long long slot = page * ps + p % ps;
             if (bad) break;
             if (slot < 0 || slot >= nslots) continue;
@@ -210,7 +195,7 @@ static PyObject *step(PyObject *self, PyObject *args) {
         if (r->skip) continue;
         uint64_t s = r->s_end, fwd = pow_mod(BASE, (uint64_t)r->c), iv = pow_mod(inv, (uint64_t)r->c);
         for (long long p = r->c; p < r->end; p++) {
-            long long t = item_ll(r->tokens, p, &bad);
+            long long t = list_ll(r->tokens, p, &bad);
             s += (uint64_t)(t + 1) * iv;
             digs[r->dig + (p - r->c)] = fwd * s;
             fwd *= BASE;
