@@ -132,6 +132,7 @@ class AttentionCheckProbe(Probe):
         self._plan = None
         self._q = None
         self._tol_for: dict = {}
+        self._views = native.CacheViews()       # the caches as numpy, per layer (the compiled check reads them)
 
     def on_attach(self, engine) -> None:
         self._tap = _Tap(self.guard(self._on_q), self.guard(self._on_kv), self.guard(self._on_out),
@@ -141,6 +142,7 @@ class AttentionCheckProbe(Probe):
     def on_detach(self, engine) -> None:
         instrumentation.remove_tap(engine, self._tap)
         self._plan, self._q = None, None          # nothing of a half-seen forward outlives the engine
+        self._views.clear()                       # nor its caches
 
     def reset(self) -> None:
         super().reset()
@@ -185,7 +187,7 @@ class AttentionCheckProbe(Probe):
             m = self.engine.model
             p["h"] = F.embedding(batch.input_ids.index_select(0, p["abs_rows"]), m.embed).to(m.dtype)
         # views, not copies: the layer's q / k / v buffers live, unchanged, until its attention output
-        p["k"], p["v"] = fast.view(k[a:b]), fast.view(v[a:b])
+        p["k"], p["v"] = fast.view_rows(k, a, b), fast.view_rows(v, a, b)
         p["q"] = (fast.rows(q[1], p["rows_np"], p["abs_rows"]) if q is not None and q[0] == layer else None)
 
     def _on_out(self, layer, o, batch) -> None:
@@ -236,8 +238,9 @@ class AttentionCheckProbe(Probe):
         return sample_rows(n, f, self.max_rows)
 
     # ---- the check -------------------------------------------------------------------------
-    @torch.no_grad()
     def _check(self, p) -> None:
+        # (inside the model's forward, under its inference_mode: no grad context entered here, ~20 us cold;
+        # the torch recompute of a failing check enters its own)
         t0 = time.perf_counter()
         tol = self.tolerance()
         errs, found = self._clean_errors(p, tol), None
@@ -270,7 +273,8 @@ class AttentionCheckProbe(Probe):
         start, L = p["start"], p["layer"]
         ctx = start + p["n"]
         pos = p["sel_np"] + start
-        write, read = native.check(mod, kv.k[L], kv.v[L], p["seq"].pages[: -(-ctx // kv.page_size)], ctx, start,
+        k_np, v_np = self._views.get(kv.k[L], kv.v[L], L)
+        write, read = native.check(mod, k_np, v_np, p["seq"].pages[: -(-ctx // kv.page_size)], ctx, start,
                                    p["k"], p["v"], p["q"], p["o"], pos, cfg.head_dim ** -0.5)
         errs = {"write": write} if read is None else {"write": write, "read": read}
         if p.get("h") is not None:
@@ -303,6 +307,7 @@ class AttentionCheckProbe(Probe):
             errs["read"] = fast.rel(p["o"], fast.attend(p["q"], kr, vr, pos, hd ** -0.5))
         return errs
 
+    @torch.no_grad()
     def _check_torch(self, p, tol) -> tuple[dict, str | None]:
         """The check in torch, with its findings: run when the numpy errors say something is wrong."""
         eng = self.engine

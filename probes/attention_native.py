@@ -45,10 +45,33 @@ def _f32(a) -> np.ndarray:
 
 
 def check(mod, k_cache, v_cache, pages, ctx: int, start: int, k_new, v_new, q, o, pos, scale: float):
-    """(write error, read error or None) of attention_numpy's clean check, in one call."""
-    return mod.check(k_cache.numpy(), v_cache.numpy(), np.asarray(pages, dtype=np.int64), ctx, start, _f32(k_new),
+    """(write error, read error or None) of attention_numpy's clean check, in one call. The caches as numpy
+    arrays (CacheViews: made once per layer, a tensor's .numpy() cost ~30 us cold between a forward's
+    kernels) or tensors; pages a list (read in C) or an array."""
+    if isinstance(k_cache, torch.Tensor):
+        k_cache, v_cache = k_cache.numpy(), v_cache.numpy()
+    if not isinstance(pages, list):
+        pages = np.asarray(pages, dtype=np.int64)
+    return mod.check(k_cache, v_cache, pages, ctx, start, _f32(k_new),
                      _f32(v_new), None if q is None else _f32(q), None if q is None else _f32(o),
                      np.asarray(pos, dtype=np.int64), float(scale))
+
+
+class CacheViews:
+    """Each layer's K and V cache as numpy arrays over the tensors' memory, made on first use and kept
+    while the engine holds the same tensors (a re-paged cache is new tensors: its views are made anew)."""
+
+    def __init__(self):
+        self._views: dict[int, tuple] = {}
+
+    def get(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int) -> tuple:
+        got = self._views.get(layer)
+        if got is None or got[0] is not k_cache or got[1] is not v_cache:
+            got = self._views[layer] = (k_cache, v_cache, k_cache.numpy(), v_cache.numpy())
+        return got[2], got[3]
+
+    def clear(self) -> None:
+        self._views.clear()
 
 
 def rms_norm(mod, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

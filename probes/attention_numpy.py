@@ -26,7 +26,7 @@ def rows(t: torch.Tensor, idx: np.ndarray, idx_t: torch.Tensor) -> np.ndarray:
     """Rows idx of t as a float32 numpy copy: numpy's own indexing of a CPU float32 tensor, else
     torch's index_select and cast."""
     if t.device.type == "cpu" and t.dtype == torch.float32:
-        return t.detach().numpy()[idx]
+        return (t.detach() if t.requires_grad else t).numpy()[idx]     # no detach (a dispatch) where none is needed
     return t.index_select(0, idx_t).float().cpu().numpy()
 
 
@@ -34,8 +34,15 @@ def view(t: torch.Tensor) -> np.ndarray:
     """t as float32 numpy: its own memory for a CPU float32 tensor (a view: valid while the tensor
     is), else a cast copy."""
     if t.device.type == "cpu" and t.dtype == torch.float32:
-        return t.detach().numpy()
+        return (t.detach() if t.requires_grad else t).numpy()
     return t.float().cpu().numpy()
+
+
+def view_rows(t: torch.Tensor, a: int, b: int) -> np.ndarray:
+    """view(t[a:b]), the slice taken in numpy where t is CPU float32 (one torch call, not two)."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return view(t)[a:b]
+    return view(t[a:b])
 
 
 def stored(cache: torch.Tensor, pages: list, ctx: int) -> np.ndarray:

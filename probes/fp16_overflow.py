@@ -14,8 +14,10 @@ after each layer):
   7 previous measured steps (the keys decodes read are mostly older than the step).
 
 K's and V's per-token absmax and the head norms come from the fused store where it runs: it
-measures them as it writes each row (ModelHooks.kv_absmax / row_stats, the tap's need
-"kv_absmax"); elsewhere from one pass over the layer's K and V. The hidden states are read here.
+measures them as it writes each row, and the probe reads its buffer once the layers ran (the tap's
+need "row_stats": the hooks do not call on_kv / on_q at a layer the store measured, so a measured
+decode forward calls the probe once a layer, at its hidden state); elsewhere from one pass over the
+layer's K and V. The hidden states are read here.
 
 Severity follows what is actually stored in fp16: K/V over 65504 is an error in a
 plain float16 KV cache, info in an fp16_scaled one (the page scales absorb it) and a
@@ -73,7 +75,7 @@ class _Tap(ModelTap):
         if forward_layers is not None:     # every layer on a measured forward, none on the others
             self.forward_layers = forward_layers
         self._measuring = measuring
-        self.needs = frozenset({"kv_absmax", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
+        self.needs = frozenset({"row_stats", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
         if on_q is not None:
             self.on_q = on_q
 
@@ -169,11 +171,13 @@ class FP16OverflowProbe(Probe):
         # and reduce all layers in _finish with a handful of ops, not a handful per layer.
         self._stash = batch.input_ids.shape[0] <= STASH_ROWS
         self._h_in = None
+        self._recompute = False
 
     def _on_q(self, layer, q) -> None:
         self._q = q                      # this layer's queries [T, Hq, D]; read in _on_kv right after
 
     def _on_kv(self, layer, k, v, batch) -> None:
+        """A layer the fused store did not measure (the hooks call it nowhere else: "row_stats")."""
         if not self._active:
             self._q = None
             return
@@ -185,16 +189,10 @@ class FP16OverflowProbe(Probe):
                 self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), self.engine.model.embed)
         if self._stash:
             self._tk[layer], self._tv[layer] = k, v
-        else:                            # K and V as the store measured them, else one pass over q|k|v
+        else:                            # K and V in one pass over q|k|v
             self._tk[layer], self._tv[layer] = self.engine.model_hooks.kv_absmax(layer, k, v)
         if self.scores and (self._q is not None or self._h_in is not None):
             m = self.engine.model
-            got = self.engine.model_hooks.row_stats(layer) if self._q is not None and not self._stash else None
-            if got is not None:          # the store measured each row's largest head norm of k and q
-                qn = got[3] if self._all_rows else got[3].index_select(0, self._rows)
-                self._qk[layer] = torch.stack([qn.amax(), got[2].amax()])
-                self._q = None
-                return
             if self._q is not None:      # the model's own q (RoPE rotates, so the norms are the same)
                 q = self._q if self._all_rows else self._q.index_select(0, self._rows)
             else:                        # a model that does not hand q to its hooks: recompute it
@@ -223,45 +221,55 @@ class FP16OverflowProbe(Probe):
             self._h_in = h.index_select(0, self._rows)
         if layer == self._L - 1:
             self._active = False
-            if self._stash:
-                self._reduce_stash()
             self._finish(batch)
 
-    def _reduce_stash(self) -> None:
-        """The stashed layers' tensors reduced as the per-layer path does, all layers at once."""
-        L, hd = self._L, self.engine.model.cfg.head_dim
-        T = self._tk[0].shape[0]
-
-        ks = self._tk
-        stored = self.engine.model_hooks.forward_row_stats()       # [L, 4, T] by the fused store, or None
-        if stored is not None and stored.shape[2] == T:
-            self._tk, self._tv, self._th = stored[:, 0], stored[:, 1], rows_absmax(self._th)
-            if self.scores and self._qk[0] is not None:             # the model handed q: its rows' norms
-                s = stored.numpy()                                  # (the CPU kernel's buffer) [L, 4, T]
+    def _gather(self, batch):
+        """K, V and hidden absmax [L, T] and the score bound's (max |q|, max |k|) per layer [L, 2] (None
+        without scores), as numpy: the layers the fused store measured from its buffer (in one go), the
+        others from what on_kv kept (stashed tensors reduced in one call, or each layer's reduction)."""
+        L, T = self._L, batch.input_ids.shape[0]
+        hd = self.engine.model.cfg.head_dim
+        K, V = np.zeros((L, T), np.float32), np.zeros((L, T), np.float32)
+        QK = np.full((L, 2), np.nan) if self.scores else None
+        mine = [l for l in range(L) if self._tk[l] is not None]         # the layers on_kv saw
+        theirs = [l for l in range(L) if self._tk[l] is None]           # the store measured them
+        buf = self.engine.model_hooks.stats_buffer() if theirs else None
+        if buf is not None and buf.shape[2] == T:
+            s = buf.numpy()                                              # [L, 4, T] (the CPU kernel's buffer)
+            s = s if len(theirs) == L else s[theirs]
+            K[theirs], V[theirs] = s[:, 0], s[:, 1]
+            if QK is not None:
                 qn = s[:, 3] if self._all_rows else s[:, 3][:, self._rows.cpu().numpy()]
-                self._qk = np.stack([qn.max(1), s[:, 2].max(1)], 1)            # [L, 2], NaN-propagating
-            return
-        if all(h.shape[0] == T for h in self._th):          # one call over every layer's K, V and h
-            kvh = rows_absmax(ks + self._tv + self._th)
-            self._tk, self._tv, self._th = kvh[:L], kvh[L:2 * L], kvh[2 * L:]
-        else:                                   # not expected (measured stashes keep every row): apart
-            self._tk, self._tv, self._th = rows_absmax(ks), rows_absmax(self._tv), rows_absmax(self._th)
-        if self.scores and self._qk[0] is not None:
-            q = torch.stack([q.reshape(q.shape[0], -1) for q in self._qk]).float()   # [L, S, Hq*D]
-            qn = q.reshape(L, -1, hd).norm(dim=-1).amax(1)
-            kn = torch.stack([k.reshape(T, -1) for k in ks]).float().reshape(L, -1, hd).norm(dim=-1).amax(1)
-            self._qk = list(torch.stack([qn, kn], 1))
+                QK[theirs] = np.stack([qn.max(1), s[:, 2].max(1)], 1)   # NaN-propagating
+        if self._stash and all(h.shape[0] == T for h in self._th):
+            kvh = rows_absmax([self._tk[l] for l in mine] + [self._tv[l] for l in mine] + self._th)  # one call
+            n = len(mine)
+            H = np.asarray(kvh[2 * n:].float().cpu())
+            if n:
+                K[mine], V[mine] = np.asarray(kvh[:n].float().cpu()), np.asarray(kvh[n:2 * n].float().cpu())
+        else:
+            H = np.asarray((rows_absmax(self._th) if self._stash else torch.stack(self._th)).float().cpu())
+            for l in mine:               # stashed K / V (not expected here) reduced now; else each layer's [T]
+                K[l], V[l] = (np.asarray((row_absmax(t) if self._stash else t).float().cpu())
+                              for t in (self._tk[l], self._tv[l]))
+        if QK is not None and mine and self._qk[mine[0]] is not None:
+            if self._stash:              # q and k norms of the stashed layers, all at once
+                q = torch.stack([self._qk[l].reshape(self._qk[l].shape[0], -1) for l in mine]).float()
+                qn = q.reshape(len(mine), -1, hd).norm(dim=-1).amax(1)
+                kn = torch.stack([self._tk[l].reshape(T, -1) for l in mine]).float().reshape(len(mine), -1, hd)
+                QK[mine] = np.asarray(torch.stack([qn, kn.norm(dim=-1).amax(1)], 1).cpu(), dtype=np.float64)
+            else:
+                QK[mine] = np.asarray(torch.stack([self._qk[l] for l in mine]).float().cpu(), dtype=np.float64)
+        return K, V, H, QK
 
     # ---- one measured step ----------------------------------------------------------
     def _finish(self, batch) -> None:
         step = self.engine.step_count
         # [L, T] each, on the host once; the rest in numpy (a few small ops, not a dozen torch dispatches)
-        K, V, H = (np.asarray((t if torch.is_tensor(t) else torch.stack(t)).float().cpu())
-                   for t in (self._tk, self._tv, self._th))
+        K, V, H, qk = self._gather(batch)
         parts = [K.max(1), V.max(1), H.max(1), (~np.isfinite(K)).sum(1), (~np.isfinite(V)).sum(1),
                  (~np.isfinite(H)).sum(1)]                                   # max: NaN-propagating, as amax
         if self.scores:
-            qk = self._qk if isinstance(self._qk, np.ndarray) else np.asarray(torch.stack(self._qk).float().cpu())
             parts += list(qk.T)
         stats = np.stack(parts).astype(np.float64)
         kmax, vmax, hmax, knf, vnf, hnf = stats[:6]

@@ -241,6 +241,35 @@ def test_the_compiled_check_is_tried_against_numpy_and_a_wrong_one_refused():
         attention_native.trial(NoNaN)
 
 
+def test_the_compiled_check_reads_a_page_list_or_array_alike_and_refuses_a_bad_page():
+    """The sequence's own page list is read in C (no array made per check): the same errors as from an
+    int64 array; a page outside the cache is an IndexError naming it, a non-int a TypeError; nothing read."""
+    from conftest import require_compiled
+    from probes import attention_native
+    mod = require_compiled(attention_native.CHECK, "the compiled attention check")
+    rng = np.random.default_rng(3)
+    kc = torch.from_numpy(rng.standard_normal((6, 4, 2, 8), dtype=np.float32))
+    vc = torch.from_numpy(rng.standard_normal((6, 4, 2, 8), dtype=np.float32))
+    pages, ctx = [4, 1, 3], 10
+    kn = kc.numpy()[pages].reshape(-1, 2, 8)[ctx - 1:ctx].copy()
+    vn = vc.numpy()[pages].reshape(-1, 2, 8)[ctx - 1:ctx].copy() + 0.5          # a wrong V write
+    q = rng.standard_normal((1, 4, 8), dtype=np.float32)
+    o = q.copy()
+    pos = np.array([ctx - 1])
+    views = attention_native.CacheViews()
+    k_np, v_np = views.get(kc, vc, 0)
+    assert views.get(kc, vc, 0)[0] is k_np                                       # made once per layer
+    by_list = attention_native.check(mod, k_np, v_np, pages, ctx, ctx - 1, kn, vn, q, o, pos, 0.35)
+    by_array = attention_native.check(mod, kc, vc, np.array(pages), ctx, ctx - 1, kn, vn, q, o, pos, 0.35)
+    assert by_list == by_array and by_list[0] > 0.05 and by_list[1] > 0
+    with pytest.raises(IndexError, match="page 6 .index 1"):
+        attention_native.check(mod, k_np, v_np, [4, 6, 3], ctx, ctx - 1, kn, vn, q, o, pos, 0.35)
+    with pytest.raises(TypeError):
+        attention_native.check(mod, k_np, v_np, [4, "1", 3], ctx, ctx - 1, kn, vn, q, o, pos, 0.35)
+    with pytest.raises(ValueError, match="do not agree"):                      # a page list too short
+        attention_native.check(mod, k_np, v_np, [4, 1], ctx, ctx - 1, kn, vn, q, o, pos, 0.35)
+
+
 @pytest.mark.parametrize("setting, why", [("PAGEDKV_PROBE_KERNELS=numpy", "PAGEDKV_PROBE_KERNELS=numpy"),
                                           ("PAGEDKV_CPU_FEATURES=none", "fakes a CPU that runs no compiled code")])
 def test_the_probes_compiled_paths_stay_unloaded_where_switched_off(setting, why):

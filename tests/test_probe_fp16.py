@@ -362,6 +362,38 @@ def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny
         assert np.allclose(got[0], g, rtol=1e-6, equal_nan=True)
 
 
+def test_layers_the_store_measured_call_no_row_stats_tap_and_one_it_did_not_does(tiny_llama_dir, monkeypatch):
+    """The probe reads the fused store's buffer ("row_stats"): the hooks call its on_kv nowhere the store
+    measured. A layer the store reports unmeasured (the real seam: rope_write answering False) calls it
+    there, and the figures (small stashed forwards and big prefills alike) equal a run where every layer
+    was measured."""
+    import probes.fp16_overflow as fo
+    eng = engine(tiny_llama_dir, "float32")
+    if not eng.attn.fused_rope_write(torch.float32, eng.kv.k[0]):
+        pytest.skip("no fused store on this CPU: every layer calls on_kv")
+    real_on_kv, seen = fo.FP16OverflowProbe._on_kv, []
+    monkeypatch.setattr(fo.FP16OverflowProbe, "_on_kv",
+                        lambda self, layer, k, v, batch: (seen.append((k.shape[0], layer)), real_on_kv(self, layer, k, v, batch))[1])
+    cols = ["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]
+    frames = []
+    for unmeasured in (None, 1):
+        if unmeasured is not None:
+            real_rw = type(eng.attn).rope_write
+            monkeypatch.setattr(type(eng.attn), "rope_write", lambda self, qkv, cos, sin, kc, vc, batch:
+                                real_rw(self, qkv, cos, sin, kc, vc, batch) and batch.kv_layer != unmeasured)
+        eng = engine(tiny_llama_dir, "float32", enable_prefix_caching=False)
+        wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+        eng.generate(prompts(3, seed=5), GREEDY)
+        frames.append(wb.probe("fp16_overflow").frame()[cols].to_numpy())
+        wb.detach()
+        layers = {layer for _, layer in seen}
+        assert layers == (set() if unmeasured is None else {unmeasured}), layers
+        if unmeasured is not None:       # both kinds of forward went through the unmeasured layer's on_kv
+            assert {rows <= fo.STASH_ROWS for rows, _ in seen} == {True, False}
+    assert len(frames[0]) > 0 and frames[0].shape == frames[1].shape
+    assert np.allclose(frames[0], frames[1], rtol=1e-6, equal_nan=True)
+
+
 def test_the_measured_history_is_bounded_and_keeps_the_latest_steps(tiny_llama_dir):
     """A probe must not become the leak it hunts: frame()'s rows stay within max_history (the older
     half dropped), the newest measured steps kept, one row per layer each; a bad bound is refused."""

@@ -78,7 +78,7 @@ static double rel(float diff, float norm, int nan) {
 
 /* check(k_cache, v_cache, pages, ctx, start, k_new, v_new, q, o, pos, scale) -> (write, read)
  *   k_cache, v_cache  float32 [num_pages, page_size, Hkv, D]: the layer's cache
- *   pages             int64 [>= ceil(ctx / page_size)]: the request's own page list
+ *   pages             a list of ints or int64 [>= ceil(ctx / page_size)]: the request's own page list
  *   k_new, v_new      float32 [ctx - start, Hkv, D]: what the layer handed to the write
  *   q, o              float32 [r, Hq, D]: the checked rows' queries and attention output; q None: no read
  *   pos               int64 [r]: the checked rows' positions
@@ -97,23 +97,44 @@ static PyObject *check(PyObject *self, PyObject *args) {
     int nb = oq == Py_None ? 5 : 8;
     PyObject *result = NULL;
     float *scores = NULL, *acc = NULL;
+    int64_t *plist = NULL;
     if (hold(okc, &b[0], 'f', 4, "k_cache") < 0 || hold(ovc, &b[1], 'f', 4, "v_cache") < 0 ||
-        hold(opages, &b[2], 'q', 1, "pages") < 0 || hold(okn, &b[3], 'f', 3, "k_new") < 0 ||
+        (!PyList_Check(opages) && hold(opages, &b[2], 'q', 1, "pages") < 0) || hold(okn, &b[3], 'f', 3, "k_new") < 0 ||
         hold(ovn, &b[4], 'f', 3, "v_new") < 0)
         goto done;
+    /* the page list as the sequence holds it (a Python list: read here, no array made for each call), or an
+     * int64 array */
+    Py_ssize_t listed;
+    const int64_t *pages;
+    if (PyList_Check(opages)) {
+        listed = PyList_GET_SIZE(opages);
+        plist = malloc(sizeof(int64_t) * (size_t)(listed > 0 ? listed : 1));
+        if (!plist) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < listed; i++) {
+            long long v = PyLong_AsLongLong(PyList_GET_ITEM(opages, i));
+            if (v == -1 && PyErr_Occurred()) goto done;
+            plist[i] = v;
+        }
+        pages = plist;
+    } else {
+        listed = b[2].v.shape[0];
+        pages = b[2].v.buf;
+    }
     if (nb == 8 && (hold(oq, &b[5], 'f', 3, "q") < 0 || hold(oo, &b[6], 'f', 3, "o") < 0 ||
                     hold(opos, &b[7], 'q', 1, "pos") < 0))
         goto done;
     const Py_ssize_t P = b[0].v.shape[0], ps = b[0].v.shape[1], hkv = b[0].v.shape[2], D = b[0].v.shape[3];
     const Py_ssize_t n = ctx - start, npg = ps > 0 ? (ctx + ps - 1) / ps : 0;
-    if (ps <= 0 || start < 0 || n < 0 || b[2].v.shape[0] < npg || b[1].v.shape[0] != P || b[1].v.shape[1] != ps ||
+    if (ps <= 0 || start < 0 || n < 0 || listed < npg || b[1].v.shape[0] != P || b[1].v.shape[1] != ps ||
         b[1].v.shape[2] != hkv || b[1].v.shape[3] != D || b[3].v.shape[0] != n || b[4].v.shape[0] != n ||
         b[3].v.shape[1] != hkv || b[3].v.shape[2] != D || b[4].v.shape[1] != hkv || b[4].v.shape[2] != D) {
         PyErr_SetString(PyExc_ValueError, "attention_check: the caches, page list and new K/V do not agree in shape");
         goto done;
     }
     const float *kc = b[0].v.buf, *vc = b[1].v.buf, *kn = b[3].v.buf, *vn = b[4].v.buf;
-    const int64_t *pages = b[2].v.buf;
     const Py_ssize_t row = hkv * D;
     for (Py_ssize_t i = 0; i < npg; i++)
         if (pages[i] < 0 || pages[i] >= P) {
@@ -148,51 +169,66 @@ static PyObject *check(PyObject *self, PyObject *args) {
     const int64_t *pos = b[7].v.buf;
     const Py_ssize_t g = hq / hkv;
     const int whole = start == 0;            /* a whole prompt attends to the K/V it computed */
-    scores = malloc(sizeof(float) * (size_t)(g * (ctx > 0 ? ctx : 1)));
-    acc = malloc(sizeof(float) * (size_t)(g * D));
+    /* scores [hq, ctx], acc [hq, D]: each key row (all of its heads, hkv * D floats, contiguous) is read
+     * once per checked row, page by page (no division per key; a page's rows are one contiguous run
+     * the hardware prefetches), the KV head loop inside */
+    scores = malloc(sizeof(float) * (size_t)(hq * (ctx > 0 ? ctx : 1)));
+    acc = malloc(sizeof(float) * (size_t)(hq * D));
     if (!scores || !acc) {
         PyErr_NoMemory();
         goto done;
     }
     float rd = 0, rnorm = 0;
     int rnan = 0;
+    const float fscale = (float)scale;
     for (Py_ssize_t i = 0; i < r; i++) {
         Py_ssize_t keys = pos[i] + 1 < ctx ? pos[i] + 1 : ctx;      /* keys 0 .. min(pos, ctx - 1) */
         if (keys <= 0) {
             PyErr_Format(PyExc_ValueError, "attention_check: row %zd's position %lld reads no key", i, (long long)pos[i]);
             goto done;
         }
-        for (Py_ssize_t h = 0; h < hkv; h++) {
-            const float *qh = q + (i * hq + h * g) * D;
-            for (Py_ssize_t j = 0; j < keys; j++) {
-                const float *k = (whole ? kn + j * row : STORED(kc, j)) + h * D;
-                for (Py_ssize_t x = 0; x < g; x++) scores[x * keys + j] = dot(qh + x * D, k, D) * (float)scale;
+        const float *qi = q + i * hq * D;
+        for (Py_ssize_t j0 = 0; j0 < keys; j0 += ps) {              /* one page (or the prompt's rows) a pass */
+            const Py_ssize_t j1 = j0 + ps < keys ? j0 + ps : keys;
+            const float *base = whole ? kn + j0 * row : kc + (size_t)pages[j0 / ps] * ps * row;
+            for (Py_ssize_t j = j0; j < j1; j++) {
+                const float *kr = base + (j - j0) * row;
+                for (Py_ssize_t h = 0; h < hkv; h++)
+                    for (Py_ssize_t x = 0; x < g; x++)
+                        scores[(h * g + x) * keys + j] = dot(qi + (h * g + x) * D, kr + h * D, D) * fscale;
             }
-            for (Py_ssize_t x = 0; x < g; x++) {      /* softmax over the row's keys, float32 as the twin */
-                float *s = scores + x * keys, m = s[0];
-                for (Py_ssize_t j = 1; j < keys; j++) m = s[j] > m || s[j] != s[j] ? s[j] : m;
-                float sum = 0;
-                for (Py_ssize_t j = 0; j < keys; j++) sum += (s[j] = expf(s[j] - m));
-                float inv = 1.0f / sum;
-                for (Py_ssize_t j = 0; j < keys; j++) s[j] *= inv;
-            }
-            for (Py_ssize_t e = 0; e < g * D; e++) acc[e] = 0;
-            for (Py_ssize_t j = 0; j < keys; j++) {
-                const float *v = (whole ? vn + j * row : STORED(vc, j)) + h * D;
-                for (Py_ssize_t x = 0; x < g; x++) {
-                    const float w = scores[x * keys + j];
-                    float *a = acc + x * D;
-                    for (Py_ssize_t d = 0; d < D; d++) a[d] += w * v[d];
-                }
-            }
-            fold(o + (i * hq + h * g) * D, acc, g * D, &rd, &rnorm, &rnan);
         }
+        for (Py_ssize_t x = 0; x < hq; x++) {         /* softmax over the row's keys, float32 as the twin */
+            float *sx = scores + x * keys, m = sx[0];
+            for (Py_ssize_t j = 1; j < keys; j++) m = sx[j] > m || sx[j] != sx[j] ? sx[j] : m;
+            float sum = 0;
+            for (Py_ssize_t j = 0; j < keys; j++) sum += (sx[j] = expf(sx[j] - m));
+            float inv = 1.0f / sum;
+            for (Py_ssize_t j = 0; j < keys; j++) sx[j] *= inv;
+        }
+        for (Py_ssize_t e = 0; e < hq * D; e++) acc[e] = 0;
+        for (Py_ssize_t j0 = 0; j0 < keys; j0 += ps) {
+            const Py_ssize_t j1 = j0 + ps < keys ? j0 + ps : keys;
+            const float *base = whole ? vn + j0 * row : vc + (size_t)pages[j0 / ps] * ps * row;
+            for (Py_ssize_t j = j0; j < j1; j++) {
+                const float *vr = base + (j - j0) * row;
+                for (Py_ssize_t h = 0; h < hkv; h++)
+                    for (Py_ssize_t x = 0; x < g; x++) {
+                        const float w = scores[(h * g + x) * keys + j];
+                        float *a = acc + (h * g + x) * D;
+                        const float *v = vr + h * D;
+                        for (Py_ssize_t d = 0; d < D; d++) a[d] += w * v[d];
+                    }
+            }
+        }
+        fold(o + i * hq * D, acc, hq * D, &rd, &rnorm, &rnan);
     }
     result = Py_BuildValue("dd", write, rel(rd, rnorm, rnan));
 #undef STORED
 done:
     free(scores);
     free(acc);
+    free(plist);
     let_go(b, nb);
     return result;
 }

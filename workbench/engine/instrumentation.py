@@ -64,7 +64,9 @@ class ModelHooks:
         per layer. The needs are the ones add_tap froze, whatever the tap's attribute says later."""
         self._declared = list(declared)
         self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
-        self._absmax_needs = [("kv_absmax" in n) for _, n in self._declared]
+        self._absmax_needs = [("kv_absmax" in n or "row_stats" in n) for _, n in self._declared]
+        # taps whose on_q / on_kv stand in for the store's figures: not called where the store measured
+        self._stats_only = [("row_stats" in n) for _, n in self._declared]
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
         self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
@@ -76,27 +78,34 @@ class ModelHooks:
         key = tuple(active)
         got = self._built.get(key)
         if got is not None:
-            self._q, self._kv, self._out, self._hidden, self._no_taps, self._absmax_active = got
+            (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._no_taps,
+             self._absmax_active) = got
             return
         L = self.num_layers
 
-        def per_layer(needs: set, method: str) -> list:
-            fns = [(getattr(t, method), a) for (t, n), a in zip(self._declared, active) if n & needs]
+        def per_layer(needs: set, method: str, measured: bool = False) -> list:
+            # measured: the lists for a layer the fused store measured (a "row_stats" tap is not called there)
+            fns = [(getattr(t, method), a) for (t, n), a, only in zip(self._declared, active, self._stats_only)
+                   if n & needs and not (measured and only)]
             if all(a is True for _, a in fns):
                 return [[f for f, _ in fns]] * L
             return [[f for f, a in fns if a is True or l in a] for l in range(L)]
 
         self._q = per_layer({"q"}, "on_q")
-        self._kv = per_layer({"kv", "kv_absmax"}, "on_kv")
+        self._kv = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv")
+        self._q_m = per_layer({"q"}, "on_q", measured=True)
+        self._kv_m = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv", measured=True)
         self._out = per_layer({"attention_out"}, "on_attention_out")
         self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
-        # per layer: no tap is called at its K / V or its attention output (a quiet layer when deferring)
-        self._no_taps = [not (self._q[l] or self._kv[l] or self._out[l]) for l in range(L)]
+        # per layer: no tap is called at its K / V or its attention output where the store measured it (a
+        # quiet layer when deferring; a quiet layer the store did not measure still calls on_kv)
+        self._no_taps = [not (self._q_m[l] or self._kv_m[l] or self._out[l]) for l in range(L)]
         # a tap reading the row figures is called somewhere in this forward (the fp16 probe measuring)
         # (each tap's entry: True, every layer, or the frozenset of its layers: truthy when it reads one)
         self._absmax_active = any(need and bool(a) for need, a in zip(self._absmax_needs, active))
         if len(self._built) < 4096:
-            self._built[key] = (self._q, self._kv, self._out, self._hidden, self._no_taps, self._absmax_active)
+            self._built[key] = (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._no_taps,
+                                self._absmax_active)
 
     def begin_forward(self, batch) -> None:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
@@ -173,6 +182,12 @@ class ModelHooks:
         m = self._measured
         return m is not None and all(m)
 
+    def stats_buffer(self):
+        """[L, 4, T]: this forward's buffer the fused store fills with every ROW_STATS (a layer it measured
+        did not call the "row_stats" taps' on_kv), or None where it fills none (or only max |K|, |V|)."""
+        buf = self._kvbuf
+        return buf if buf is not None and buf.shape[1] == len(ROW_STATS) else None
+
     def forward_row_stats(self):
         """[L, 4, T] (ROW_STATS per layer and row) when the fused store measured every layer of this
         forward, else None."""
@@ -196,10 +211,12 @@ class ModelHooks:
             else:           # K and V in one pass (rows_absmax) or the store's; the event object only for who takes objects
                 k_max, v_max = _row_max(self.kv_absmax(layer, k, v)) if k.shape[0] else (0.0, 0.0)
                 self.bus.emit_row(KVWritten, (self._step, now_ns(), layer, k_max, v_max, int(k.shape[0])))
+        # where the store measured every ROW_STATS, the taps reading them ("row_stats") are not called
+        stats = measured and self._kvbuf is not None and self._kvbuf.shape[1] == len(ROW_STATS)
         if q is not None:
-            for fn in self._q[layer]:                 # the fp16 probe's score bound, the shadow's q check
+            for fn in (self._q_m if stats else self._q)[layer]:     # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)
-        for fn in self._kv[layer]:
+        for fn in (self._kv_m if stats else self._kv)[layer]:
             fn(layer, k, v, batch)
 
     def on_attention(self, layer, batch, bt_read, o=None) -> None:

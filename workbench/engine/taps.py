@@ -15,6 +15,11 @@ the per-layer path looks nothing up.
                   pass, where it runs: no read of K and V of its own); and where the store measured
                   them, row_stats(layer) -> [4, T] / forward_row_stats() -> [L, 4, T]: also each row's
                   largest per-head L2 norm of K and of q (instrumentation.ROW_STATS), else None
+- "row_stats":    each row's ROW_STATS as the fused store measures them, read once the layers ran
+                  (ModelHooks.stats_buffer() -> [L, 4, T]); on_kv (and on_q, with "q") only at the
+                  layers the store did not measure, to take their figures from K, V and q instead. A
+                  layer where no other tap reads K / V stays quiet (a time stamp, no Python call): the
+                  fp16 probe's measured decode forwards called ~4 methods a layer before.
 - "every_row_hidden": "hidden", and the last layer runs for every row so on_hidden sees all T rows
                   (costs ~3% of a prefill step's linears). A tap that wants that only on some
                   forwards also overrides reads_every_row() (asked once per forward, at the last
@@ -32,7 +37,7 @@ whose optional callback decides what it reads); to change it, remove the tap and
 from __future__ import annotations
 
 # need -> the method it calls ("every_row_hidden" is "hidden" that also keeps every row)
-METHODS = {"q": "on_q", "kv": "on_kv", "kv_absmax": "on_kv", "attention_out": "on_attention_out",
+METHODS = {"q": "on_q", "kv": "on_kv", "kv_absmax": "on_kv", "row_stats": "on_kv", "attention_out": "on_attention_out",
            "hidden": "on_hidden", "every_row_hidden": "on_hidden"}
 NEEDS = frozenset(METHODS)
 
