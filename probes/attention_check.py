@@ -207,22 +207,30 @@ class AttentionCheckProbe(Probe):
         ps, npages = batch.page_size, self.engine.kv.k[0].shape[0]
         by_kind: dict[str, list] = {k: [] for k in KINDS}
         for i, (s, n) in enumerate(zip(seqs, ns)):
-            if checkable(s, n, ps, npages):
+            if n >= 1:
                 by_kind["decode" if n == 1 else "chunk" if s.num_computed_tokens else "prefill"].append(i)
         nl = self.engine.model_config.num_layers
         f = self.forwards - 1 + self._offset
         want = (f + f // nl) % 3
+        i = None
         for j in range(3):
+            # the pick, then whether it can be checked (its pages and tokens cover its context): asked of the
+            # one picked, not of every row (~4 us a row, cold), the next pick where it cannot
             cand = by_kind[KINDS[(want + j) % 3]]
-            if cand:
+            while cand:
+                if (f // 3) % 2 == 0:                       # the longest context: most pages walked
+                    c = max(cand, key=lambda c: seqs[c].num_computed_tokens + ns[c])
+                else:
+                    c = cand[(f // 6) % len(cand)]
+                if checkable(seqs[c], ns[c], ps, npages):
+                    i = c
+                    break
+                cand.remove(c)
+            if i is not None:
                 break
-        else:
+        if i is None:
             return None
         kind = KINDS[(want + j) % 3]
-        if (f // 3) % 2 == 0:                               # the longest context: most pages walked
-            i = max(cand, key=lambda c: seqs[c].num_computed_tokens + ns[c])
-        else:
-            i = cand[(f // 6) % len(cand)]
         s, n = seqs[i], ns[i]
         sel = self._rows(n, f)
         dev = batch.input_ids.device

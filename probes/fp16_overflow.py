@@ -111,6 +111,7 @@ class FP16OverflowProbe(Probe):
         self._first_step = None
         self._active = False
         self._h_in = None
+        self._rows_t = self._batch = None
         self._k_norms = deque(maxlen=8)     # |k| per layer of recent measured steps: the keys decode reads
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -128,6 +129,7 @@ class FP16OverflowProbe(Probe):
     def on_detach(self, engine) -> None:
         instrumentation.remove_tap(engine, self._tap)
         self._active = False
+        self._batch = self._rows_t = None
 
     def reset(self) -> None:
         super().reset()
@@ -164,7 +166,7 @@ class FP16OverflowProbe(Probe):
         L = self._L
         self._tk, self._tv, self._th = [None] * L, [None] * L, [None] * L
         self._qk = [None] * L
-        self._rows = (batch.cu_seqlens_q[1:].long() - 1)            # last token of each sequence
+        self._rows_t, self._batch = None, batch          # _rows: made where read (not on a decode the store measured)
         # A decode-only forward's last tokens are all its rows: q is taken whole, no select per layer.
         self._all_rows = len(batch.seqs) == batch.input_ids.shape[0]
         # Few rows (decode): keep each layer's K, V, q rows and h (views the model no longer writes)
@@ -172,6 +174,13 @@ class FP16OverflowProbe(Probe):
         self._stash = batch.input_ids.shape[0] <= STASH_ROWS
         self._h_in = None
         self._recompute = False
+
+    @property
+    def _rows(self) -> torch.Tensor:
+        """The last token of each sequence of this forward (its rows in the packed batch)."""
+        if self._rows_t is None:
+            self._rows_t = self._batch.cu_seqlens_q[1:].long() - 1
+        return self._rows_t
 
     def _on_q(self, layer, q) -> None:
         self._q = q                      # this layer's queries [T, Hq, D]; read in _on_kv right after
@@ -222,6 +231,7 @@ class FP16OverflowProbe(Probe):
         if layer == self._L - 1:
             self._active = False
             self._finish(batch)
+            self._batch = self._rows_t = None
 
     def _gather(self, batch):
         """K, V and hidden absmax [L, T] and the score bound's (max |q|, max |k|) per layer [L, 2] (None

@@ -87,9 +87,12 @@ class ModelHooks:
             # measured: the lists for a layer the fused store measured (a "row_stats" tap is not called there)
             fns = [(getattr(t, method), a) for (t, n), a, only in zip(self._declared, active, self._stats_only)
                    if n & needs and not (measured and only)]
-            if all(a is True for _, a in fns):
-                return [[f for f, _ in fns]] * L
-            return [[f for f, a in fns if a is True or l in a] for l in range(L)]
+            every = [f for f, a in fns if a is True]
+            lists = [every] * L                  # one list for the layers no scoped tap reads
+            for l in frozenset().union(*(a for _, a in fns if a is not True)):    # only the layers one does
+                if 0 <= l < L:                   # (the attention probe's two a forward: ~100 us for all L before)
+                    lists[l] = [f for f, a in fns if a is True or l in a]
+            return lists
 
         self._q = per_layer({"q"}, "on_q")
         self._kv = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv")
