@@ -16,8 +16,9 @@ after each layer):
 K's and V's per-token absmax and the head norms come from the fused store where it runs: it
 measures them as it writes each row, and the probe reads its buffer once the layers ran (the tap's
 need "row_stats": the hooks do not call on_kv / on_q at a layer the store measured, so a measured
-decode forward calls the probe once a layer, at its hidden state); elsewhere from one pass over the
-layer's K and V. The hidden states are read here.
+decode forward calls no probe method between its layers); elsewhere from one pass over the
+layer's K and V. Each layer's hidden state is measured by the next layer's compiled norm as it reads
+it (need "hidden_absmax": the hooks hand the probe only the last layer's); elsewhere read here.
 
 Severity follows what is actually stored in fp16: K/V over 65504 is an error in a
 plain float16 KV cache, info in an fp16_scaled one (the page scales absorb it) and a
@@ -31,12 +32,14 @@ its sampled rows only: the model prunes the others there, and keeping them would
 layer's worth of a prefill's linears; every earlier layer sees every row.
 
 Cost: measured every `every`-th step (default 4, counted from the first step seen).
-A measured step adds per layer a few reductions over K, V and h and a qkv matmul over
-one row per sequence, plus a device-to-host copy of the stats and one of the per-page
-maxima (page_history=0 turns the pages off) per measured step; an unmeasured step costs
-one Python call (forward_layers says: no layer). On SmolLM2-135M, workload A of
-benchmarks/probe_overhead.py: ~0.6-0.7% of the run (every=4), ~15 ms of it the hidden states
-of the first measured forward, a 2048-token prefill.
+Where the store and the norms measure (the compiled CPU path), a measured step adds the last layer's
+hidden state for every row, one reduction over it and a few numpy operations on the [L, T] buffers;
+elsewhere per layer a few reductions over K, V and h and a norm over q, plus a device-to-host copy
+of the stats and one of the per-page maxima (page_history=0 turns the pages off) per measured step;
+an unmeasured step costs one Python call (forward_layers says: no layer). On SmolLM2-135M, workload A
+of benchmarks/probe_overhead.py: ~0.6-0.7% of the run (every=4) until stop 56, when the probe was
+called at every layer of a measured forward (~1.4 ms a decode) and read a 2048-token prefill's
+hidden states itself (~15 ms); see docs/benchmarks.md for the figure now.
 
 Kept: one entry per measured step (its per-layer arrays; frame() spreads them into a row per
 layer), at most `max_history` rows (100,000: the older half dropped past it), and the per-page
@@ -75,7 +78,7 @@ class _Tap(ModelTap):
         if forward_layers is not None:     # every layer on a measured forward, none on the others
             self.forward_layers = forward_layers
         self._measuring = measuring
-        self.needs = frozenset({"row_stats", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
+        self.needs = frozenset({"row_stats", "hidden_absmax", "every_row_hidden"} | ({"q"} if on_q is not None else set()))
         if on_q is not None:
             self.on_q = on_q
 
@@ -196,6 +199,9 @@ class FP16OverflowProbe(Probe):
             self._recompute = self.scores and self._q is None
             if self._recompute:
                 self._h_in = F.embedding(batch.input_ids.index_select(0, self._rows), self.engine.model.embed)
+                self._h_of = -1
+        if self._q is None and self._h_in is not None and self._h_of != layer - 1:
+            self._h_in = None            # the previous layer's hidden state was not handed (its norm measured it)
         if self._stash:
             self._tk[layer], self._tv[layer] = k, v
         else:                            # K and V in one pass over q|k|v
@@ -227,7 +233,7 @@ class FP16OverflowProbe(Probe):
                 r = torch.zeros(T, dtype=r.dtype, device=r.device).index_copy_(0, batch.logits_indices, r)
             self._th[layer] = r
         if self._recompute and layer < self._L - 1:
-            self._h_in = h.index_select(0, self._rows)
+            self._h_in, self._h_of = h.index_select(0, self._rows), layer
         if layer == self._L - 1:
             self._active = False
             self._finish(batch)
@@ -235,15 +241,17 @@ class FP16OverflowProbe(Probe):
 
     def _gather(self, batch):
         """K, V and hidden absmax [L, T] and the score bound's (max |q|, max |k|) per layer [L, 2] (None
-        without scores), as numpy: the layers the fused store measured from its buffer (in one go), the
-        others from what on_kv kept (stashed tensors reduced in one call, or each layer's reduction)."""
+        without scores), as numpy: what the fused store and the norms measured from their buffers (in one
+        go), the rest from what on_kv / on_hidden kept (stashed tensors reduced in one call, or each
+        layer's reduction)."""
         L, T = self._L, batch.input_ids.shape[0]
         hd = self.engine.model.cfg.head_dim
-        K, V = np.zeros((L, T), np.float32), np.zeros((L, T), np.float32)
+        hooks = self.engine.model_hooks
+        K, V, H = (np.zeros((L, T), np.float32) for _ in range(3))
         QK = np.full((L, 2), np.nan) if self.scores else None
         mine = [l for l in range(L) if self._tk[l] is not None]         # the layers on_kv saw
         theirs = [l for l in range(L) if self._tk[l] is None]           # the store measured them
-        buf = self.engine.model_hooks.stats_buffer() if theirs else None
+        buf = hooks.stats_buffer() if theirs else None
         if buf is not None and buf.shape[2] == T:
             s = buf.numpy()                                              # [L, 4, T] (the CPU kernel's buffer)
             s = s if len(theirs) == L else s[theirs]
@@ -251,17 +259,23 @@ class FP16OverflowProbe(Probe):
             if QK is not None:
                 qn = s[:, 3] if self._all_rows else s[:, 3][:, self._rows.cpu().numpy()]
                 QK[theirs] = np.stack([qn.max(1), s[:, 2].max(1)], 1)   # NaN-propagating
-        if self._stash and all(h.shape[0] == T for h in self._th):
-            kvh = rows_absmax([self._tk[l] for l in mine] + [self._tv[l] for l in mine] + self._th)  # one call
+        seen = [l for l in range(L) if self._th[l] is not None]         # the layers on_hidden saw
+        normed = [l for l in range(L) if self._th[l] is None]           # the next layer's norm measured them
+        hb = hooks.hidden_buffer() if normed else None
+        if hb is not None and hb.shape[1] == T:
+            H[normed] = hb.numpy()[normed]
+        if self._stash and all(self._th[l].shape[0] == T for l in seen):
+            got = rows_absmax([self._tk[l] for l in mine] + [self._tv[l] for l in mine] + [self._th[l] for l in seen])
+            got = np.asarray(got.float().cpu())                          # one call over the stashed tensors
             n = len(mine)
-            H = np.asarray(kvh[2 * n:].float().cpu())
-            if n:
-                K[mine], V[mine] = np.asarray(kvh[:n].float().cpu()), np.asarray(kvh[n:2 * n].float().cpu())
-        else:
-            H = np.asarray((rows_absmax(self._th) if self._stash else torch.stack(self._th)).float().cpu())
-            for l in mine:               # stashed K / V (not expected here) reduced now; else each layer's [T]
-                K[l], V[l] = (np.asarray((row_absmax(t) if self._stash else t).float().cpu())
-                              for t in (self._tk[l], self._tv[l]))
+            K[mine], V[mine], H[seen] = got[:n], got[n:2 * n], got[2 * n:]
+        else:                            # per-layer reductions (or stashed tensors not expected here): each now
+            red = (lambda t: np.asarray(row_absmax(t).float().cpu())) if self._stash else \
+                  (lambda t: np.asarray(t.float().cpu()))
+            for l in mine:
+                K[l], V[l] = red(self._tk[l]), red(self._tv[l])
+            for l in seen:
+                H[l] = red(self._th[l])
         if QK is not None and mine and self._qk[mine[0]] is not None:
             if self._stash:              # q and k norms of the stashed layers, all at once
                 q = torch.stack([self._qk[l].reshape(self._qk[l].shape[0], -1) for l in mine]).float()
@@ -269,7 +283,8 @@ class FP16OverflowProbe(Probe):
                 kn = torch.stack([self._tk[l].reshape(T, -1) for l in mine]).float().reshape(len(mine), -1, hd)
                 QK[mine] = np.asarray(torch.stack([qn, kn.norm(dim=-1).amax(1)], 1).cpu(), dtype=np.float64)
             else:
-                QK[mine] = np.asarray(torch.stack([self._qk[l] for l in mine]).float().cpu(), dtype=np.float64)
+                have = [l for l in mine if self._qk[l] is not None]
+                QK[have] = np.asarray(torch.stack([self._qk[l] for l in have]).float().cpu(), dtype=np.float64)
         return K, V, H, QK
 
     # ---- one measured step ----------------------------------------------------------

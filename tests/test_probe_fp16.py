@@ -258,10 +258,13 @@ def test_probe_samples_every_nth_step_and_is_unwired_when_detached(tiny_llama_di
     steps = eng.step_count
     assert probe.measured_steps == -(-steps // 4) and len(probe.frame()) == 2 * probe.measured_steps
     assert sorted(set(probe.frame()["step"])) == list(range(1, steps + 1, 4))
-    # an unmeasured forward costs one guarded call (forward_layers: no layer), a measured one
-    # that plus on_q, on_kv, on_hidden per layer
+    # an unmeasured forward costs one guarded call (forward_layers: no layer), a measured one that plus
+    # on_q and on_kv per layer (the fused store does not write an fp16 cache, so it measures nothing) and
+    # on_hidden at the last layer where the compiled norms measure the others, at every layer elsewhere
+    from workbench.engine.model import norm_measures
     L = eng.model_config.num_layers
-    assert probe.calls == steps + probe.measured_steps * 3 * L
+    hidden = 1 if norm_measures(torch.zeros(1, 4)) else L
+    assert probe.calls == steps + probe.measured_steps * (2 * L + hidden)
     wb.detach("fp16_overflow")
     assert eng.model.hooks is None and eng.model_hooks.taps == []
 
@@ -288,9 +291,11 @@ def test_smollm2_fp16_answers_garbage_and_fp16_scaled_answers_like_fp32(smollm2_
     assert got["float16_errors"] and got["float16_errors"][0].layer == fault.layer == 15
 
 
-def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir):
+def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir, monkeypatch):
     """The probe takes q from the model's hook (no extra qkv matmul); RoPE preserves per-head
     norms, so the bound must equal the one recomputed from the layer input."""
+    from workbench.engine import model as model_mod
+    from workbench.engine.instrumentation import ModelHooks
     bounds = []
     for hand_q in (True, False):
         eng = engine(tiny_llama_dir, "float32")
@@ -298,6 +303,9 @@ def test_score_bound_from_the_models_q_equals_the_recomputed_one(tiny_llama_dir)
         probe = wb.probe("fp16_overflow")
         if not hand_q:
             del probe._tap.on_q                                     # as a model that does not pass q
+            # and no store or norm measuring for it: q recomputed from each layer's input, tracked through them
+            monkeypatch.setattr(ModelHooks, "kv_absmax_buffer", lambda self, t, n: None)
+            monkeypatch.setattr(model_mod, "norm_measures", lambda x: False)
         eng.generate(prompts(3, seed=7), GREEDY)
         bounds.append(probe.frame()["score_bound"].to_numpy())
         wb.detach()
@@ -362,36 +370,47 @@ def test_a_small_forward_reduced_at_its_end_equals_the_per_layer_reductions(tiny
         assert np.allclose(got[0], g, rtol=1e-6, equal_nan=True)
 
 
-def test_layers_the_store_measured_call_no_row_stats_tap_and_one_it_did_not_does(tiny_llama_dir, monkeypatch):
-    """The probe reads the fused store's buffer ("row_stats"): the hooks call its on_kv nowhere the store
-    measured. A layer the store reports unmeasured (the real seam: rope_write answering False) calls it
-    there, and the figures (small stashed forwards and big prefills alike) equal a run where every layer
-    was measured."""
+def test_layers_the_store_and_norms_measured_call_no_tap_and_the_others_do(tiny_llama_dir, monkeypatch):
+    """The probe reads the fused store's buffer ("row_stats") and the norms' ("hidden_absmax"): the hooks
+    call its on_kv nowhere the store measured and its on_hidden at the last layer only (no later norm reads
+    it). A layer the store reports unmeasured (the real seam: rope_write answering False) calls on_kv there;
+    norms that do not measure (model.norm_measures False: the torch path) call on_hidden at every layer; and
+    the figures (small stashed forwards and big prefills alike) equal a run where everything was measured."""
     import probes.fp16_overflow as fo
+    from workbench.engine import model as model_mod
     eng = engine(tiny_llama_dir, "float32")
     if not eng.attn.fused_rope_write(torch.float32, eng.kv.k[0]):
         pytest.skip("no fused store on this CPU: every layer calls on_kv")
-    real_on_kv, seen = fo.FP16OverflowProbe._on_kv, []
+    last = eng.model_config.num_layers - 1
+    real_on_kv, real_on_hidden, seen, hidden = fo.FP16OverflowProbe._on_kv, fo.FP16OverflowProbe._on_hidden, [], []
     monkeypatch.setattr(fo.FP16OverflowProbe, "_on_kv",
                         lambda self, layer, k, v, batch: (seen.append((k.shape[0], layer)), real_on_kv(self, layer, k, v, batch))[1])
+    monkeypatch.setattr(fo.FP16OverflowProbe, "_on_hidden",
+                        lambda self, layer, h, batch: (hidden.append(layer), real_on_hidden(self, layer, h, batch))[1])
     cols = ["step", "layer", "k_absmax", "v_absmax", "hidden_absmax", "score_bound", "tokens"]
     frames = []
-    for unmeasured in (None, 1):
-        if unmeasured is not None:
+    for unmeasured in (None, 1, "norms"):
+        seen.clear()
+        hidden.clear()
+        if unmeasured == 1:
             real_rw = type(eng.attn).rope_write
             monkeypatch.setattr(type(eng.attn), "rope_write", lambda self, qkv, cos, sin, kc, vc, batch:
-                                real_rw(self, qkv, cos, sin, kc, vc, batch) and batch.kv_layer != unmeasured)
+                                real_rw(self, qkv, cos, sin, kc, vc, batch) and batch.kv_layer != 1)
+        if unmeasured == "norms":
+            monkeypatch.setattr(model_mod, "norm_measures", lambda x: False)
         eng = engine(tiny_llama_dir, "float32", enable_prefix_caching=False)
         wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
         eng.generate(prompts(3, seed=5), GREEDY)
         frames.append(wb.probe("fp16_overflow").frame()[cols].to_numpy())
         wb.detach()
         layers = {layer for _, layer in seen}
-        assert layers == (set() if unmeasured is None else {unmeasured}), layers
+        assert layers == ({1} if unmeasured is not None else set()), layers     # (1 stays patched)
         if unmeasured is not None:       # both kinds of forward went through the unmeasured layer's on_kv
             assert {rows <= fo.STASH_ROWS for rows, _ in seen} == {True, False}
-    assert len(frames[0]) > 0 and frames[0].shape == frames[1].shape
+        assert set(hidden) == (set(range(last + 1)) if unmeasured == "norms" else {last}), set(hidden)
+    assert len(frames[0]) > 0 and all(f.shape == frames[0].shape for f in frames)
     assert np.allclose(frames[0], frames[1], rtol=1e-6, equal_nan=True)
+    assert np.allclose(frames[0], frames[2], rtol=1e-4, equal_nan=True)    # torch's norm rounds otherwise
 
 
 def test_the_measured_history_is_bounded_and_keeps_the_latest_steps(tiny_llama_dir):

@@ -67,6 +67,8 @@ class ModelHooks:
         self._absmax_needs = [("kv_absmax" in n or "row_stats" in n) for _, n in self._declared]
         # taps whose on_q / on_kv stand in for the store's figures: not called where the store measured
         self._stats_only = [("row_stats" in n) for _, n in self._declared]
+        # taps whose on_hidden stands in for the norms' measurement: called at the last layer only where measured
+        self._hidden_only = [("hidden_absmax" in n) for _, n in self._declared]
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
         self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
@@ -78,15 +80,16 @@ class ModelHooks:
         key = tuple(active)
         got = self._built.get(key)
         if got is not None:
-            (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._no_taps,
-             self._absmax_active) = got
+            (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._hidden_m, self._no_taps,
+             self._absmax_active, self._hidden_active) = got
             return
         L = self.num_layers
 
-        def per_layer(needs: set, method: str, measured: bool = False) -> list:
-            # measured: the lists for a layer the fused store measured (a "row_stats" tap is not called there)
-            fns = [(getattr(t, method), a) for (t, n), a, only in zip(self._declared, active, self._stats_only)
-                   if n & needs and not (measured and only)]
+        def per_layer(needs: set, method: str, skip: list | None = None) -> list:
+            # skip: per declared tap, whether to leave it out (the lists for a layer the fused store or the
+            # norms measured: the "row_stats" / "hidden_absmax" taps are not called there)
+            fns = [(getattr(t, method), a) for (t, n), a, left in zip(self._declared, active, skip or repeat(False))
+                   if n & needs and not left]
             every = [f for f, a in fns if a is True]
             lists = [every] * L                  # one list for the layers no scoped tap reads
             for l in frozenset().union(*(a for _, a in fns if a is not True)):    # only the layers one does
@@ -96,19 +99,23 @@ class ModelHooks:
 
         self._q = per_layer({"q"}, "on_q")
         self._kv = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv")
-        self._q_m = per_layer({"q"}, "on_q", measured=True)
-        self._kv_m = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv", measured=True)
+        self._q_m = per_layer({"q"}, "on_q", self._stats_only)
+        self._kv_m = per_layer({"kv", "kv_absmax", "row_stats"}, "on_kv", self._stats_only)
         self._out = per_layer({"attention_out"}, "on_attention_out")
-        self._hidden = per_layer({"hidden", "every_row_hidden"}, "on_hidden")
+        self._hidden = per_layer({"hidden", "every_row_hidden", "hidden_absmax"}, "on_hidden")
+        # where the norms measure: a "hidden_absmax" tap at the last layer only (no later norm measures it)
+        self._hidden_m = per_layer({"hidden", "every_row_hidden", "hidden_absmax"}, "on_hidden", self._hidden_only)
+        self._hidden_m[L - 1] = self._hidden[L - 1]
         # per layer: no tap is called at its K / V or its attention output where the store measured it (a
         # quiet layer when deferring; a quiet layer the store did not measure still calls on_kv)
         self._no_taps = [not (self._q_m[l] or self._kv_m[l] or self._out[l]) for l in range(L)]
         # a tap reading the row figures is called somewhere in this forward (the fp16 probe measuring)
         # (each tap's entry: True, every layer, or the frozenset of its layers: truthy when it reads one)
         self._absmax_active = any(need and bool(a) for need, a in zip(self._absmax_needs, active))
+        self._hidden_active = any(need and bool(a) for need, a in zip(self._hidden_only, active))
         if len(self._built) < 4096:
-            self._built[key] = (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._no_taps,
-                                self._absmax_active)
+            self._built[key] = (self._q, self._kv, self._q_m, self._kv_m, self._out, self._hidden, self._hidden_m,
+                                self._no_taps, self._absmax_active, self._hidden_active)
 
     def begin_forward(self, batch) -> None:
         """Before layer 0: ask the taps that scope themselves which layers they read in this
@@ -135,6 +142,7 @@ class ModelHooks:
                 active[i] = got
             if active != self._active:
                 self._build(active)
+        self._hbuf, self._hidden_now = None, self._hidden       # (after the build) hidden_absmax_buffer() may switch
         # Quiet layers: no tap is called there, and their per-layer rows (if wanted) wait for
         # end_forward. The model then only stamps the time there (kv_t / read_t: a list store, no
         # Python call: a call between the layers' kernels cost ~8-15 us, cold) and calls on_kv
@@ -161,6 +169,21 @@ class ModelHooks:
             self._deferred, self._big = [], True          # (a layer the store does not measure: reduced at once)
             self.quiet = self._no_taps
         return self._kvbuf
+
+    def hidden_absmax_buffer(self, t: int, num_layers: int):
+        """Before layer 0 (the model asks, where its norms are compiled): [L, t] for each layer's norm to fill
+        with the max |h| of the rows it reads (layer l + 1's norm measures layer l's hidden state; the last
+        layer's row stays unfilled), when a "hidden_absmax" tap reads this forward; else None."""
+        if not self._hidden_active:
+            return None
+        self._hbuf = torch.empty(num_layers, t, dtype=torch.float32, device="cpu")
+        self._hidden_now = self._hidden_m
+        return self._hbuf
+
+    def hidden_buffer(self):
+        """[L, T]: this forward's hidden-state row absmax as the norms measured them (every layer but the
+        last, whose on_hidden the "hidden_absmax" taps get), or None where the norms measure none."""
+        return self._hbuf
 
     def kv_absmax(self, layer, k, v) -> torch.Tensor:
         """[2, T]: each row's max |K| and |V| at this layer (NaN-propagating): what the fused store
@@ -359,12 +382,12 @@ class ModelHooks:
     def hidden_calls(self) -> list:
         """Per layer, the taps that read its hidden state (in this forward's scope): the model calls
         on_hidden only where one does (the event log alone reads none)."""
-        return self._hidden
+        return self._hidden_now
 
     def on_hidden(self, layer, h, batch) -> None:
         """h: every row's hidden state after `layer`; after the last layer only the sampled rows'
         (batch.logits_indices) unless reads_hidden."""
-        for fn in self._hidden[layer]:
+        for fn in self._hidden_now[layer]:
             fn(layer, h, batch)
 
 

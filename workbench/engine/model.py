@@ -22,13 +22,21 @@ from .model_config import ModelConfig
 from .quant_layout import QuantBlocks
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.dim() == 2
-            and native.kernel() is not None):
+def norm_measures(x: torch.Tensor) -> bool:
+    """Whether rms_norm(x, ...) runs the compiled kernel, which can also measure each row's max |x|."""
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.dim() == 2
+            and native.kernel() is not None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, absmax: torch.Tensor | None = None,
+             row: int = 0) -> torch.Tensor:
+    """absmax: a float32 [N, rows] buffer whose row `row` gets each row's max |x| (only where
+    norm_measures(x): the caller asks first)."""
+    if norm_measures(x):
         # one pass, no OpenMP fork at decode sizes; native bf16 rows are widened, normed in float32
         # and rounded once, in the same pass (torch's bf16 formula below makes 6 passes, ~10x the
         # time at prefill sizes, and rounds twice). A bf16 weight is widened in the kernel.
-        return native.kernel().rms_norm(x if x.stride(-1) == 1 else x.contiguous(), w, eps)
+        return native.kernel().rms_norm(x if x.stride(-1) == 1 else x.contiguous(), w, eps, absmax, row)
     if x.dtype == torch.float32:                       # torch's kernel
         return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
@@ -177,15 +185,20 @@ class LlamaModel:
         rows = batch.logits_indices
         may_prune, pruned = self.prune_unsampled and rows.shape[0] < t, False
         last = len(self.layers) - 1
-        kvmax = quiet = None
+        kvmax = quiet = hmax = None
         if hooks is not None:
             hooks.begin_forward(batch)               # taps that read a few layers say which, once
             if fused and adt == torch.float32:       # the store measures each row's max |K|, |V| as it goes
                 kvmax = hooks.kv_absmax_buffer(t, len(self.layers))
+            if norm_measures(h):                     # each layer's norm measures the hidden state it reads
+                hmax = hooks.hidden_absmax_buffer(t, len(self.layers))
             quiet, kv_t, read_t = hooks.quiet, hooks.kv_t, hooks.read_t   # layers where only a time is taken
         try:
             for i, L in enumerate(self.layers):
-                x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
+                if hmax is not None and i:               # layer i - 1's hidden state, measured as it is read
+                    x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps, hmax, i - 1)
+                else:
+                    x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
                 qkv = L.qkv(x)
                 if widen:
                     qkv = qkv.float()

@@ -20,6 +20,11 @@ the per-layer path looks nothing up.
                   layers the store did not measure, to take their figures from K, V and q instead. A
                   layer where no other tap reads K / V stays quiet (a time stamp, no Python call): the
                   fp16 probe's measured decode forwards called ~4 methods a layer before.
+- "hidden_absmax": each row's max |h| of each layer's hidden state as the next layer's compiled norm
+                  measures it while reading it (ModelHooks.hidden_buffer() -> [L, T], every layer but the
+                  last); on_hidden(layer, h, batch) at the last layer, and at every layer of a forward
+                  whose norms do not measure (the torch path, another device). With "every_row_hidden"
+                  the last layer still keeps every row on the forwards reads_every_row() asks it to.
 - "every_row_hidden": "hidden", and the last layer runs for every row so on_hidden sees all T rows
                   (costs ~3% of a prefill step's linears). A tap that wants that only on some
                   forwards also overrides reads_every_row() (asked once per forward, at the last
@@ -37,7 +42,8 @@ whose optional callback decides what it reads); to change it, remove the tap and
 from __future__ import annotations
 
 # need -> the method it calls ("every_row_hidden" is "hidden" that also keeps every row)
-METHODS = {"q": "on_q", "kv": "on_kv", "kv_absmax": "on_kv", "row_stats": "on_kv", "attention_out": "on_attention_out",
+METHODS = {"q": "on_q", "kv": "on_kv", "kv_absmax": "on_kv", "row_stats": "on_kv", "hidden_absmax": "on_hidden",
+           "attention_out": "on_attention_out",
            "hidden": "on_hidden", "every_row_hidden": "on_hidden"}
 NEEDS = frozenset(METHODS)
 

@@ -222,6 +222,15 @@ def _helpers(mod) -> None:
     x, w = torch.randn(5, 72, generator=g), torch.randn(72, generator=g)
     want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     close(mod.rms_norm(x, w, 1e-5), want, 1e-5, "rms_norm")
+    # with a buffer: the same rows out, and each input row's max |x| into the named row of the buffer only
+    # (the next layer's norm measures the hidden state the fp16 probe reads); bf16 rows measured exactly
+    hid = torch.full((3, 5), -1.0)
+    close(mod.rms_norm(x, w, 1e-5, hid, 1), want, 1e-5, "rms_norm with a measurement buffer")
+    close(hid[1], x.abs().amax(1), 0, "rms_norm's row absmax")
+    close(hid[[0, 2]], torch.full((2, 5), -1.0), 0, "rms_norm's other rows of the measurement buffer")
+    xb = x.bfloat16()
+    mod.rms_norm(xb, w, 1e-5, hid, 2)
+    close(hid[2], xb.float().abs().amax(1), 0, "rms_norm's row absmax of bf16 rows")
     close(mod.row_absmax(x), x.abs().amax(1), 0, "row_absmax")
     kv = torch.randn(5, 3, 40, generator=g)            # K and V as views of one q|k|v buffer: strided rows
     close(mod.rows_absmax([kv[:, 1], kv[:, 2, :24]]), torch.stack([kv[:, 1].abs().amax(1), kv[:, 2, :24].abs().amax(1)]),
@@ -246,6 +255,9 @@ def _helpers(mod) -> None:
     x[2, 7] = float("nan")
     if not math.isnan(mod.absmax(x)):
         raise Mismatch("absmax: a NaN in the input did not propagate")
+    mod.rms_norm(x, w, 1e-5, hid, 0)
+    if not (math.isnan(float(hid[0, 2])) and not math.isnan(float(hid[0, 1]))):
+        raise Mismatch("rms_norm: a NaN in a row did not propagate to (only) its absmax")
     if not math.isnan(float(mod.rows_absmax([x, x])[1, 2])):
         raise Mismatch("rows_absmax: a NaN in the input did not propagate to its row")
 

@@ -426,19 +426,31 @@ void paged_decode(const torch::Tensor& q, torch::Tensor& out, const torch::Tenso
 // every one pays an OpenMP fork/join right after oneDNN's GEMM: ~30-70 us where the work
 // is ~2 us. These run rows serially below 64 rows and in parallel above.
 
-// y = w * x / sqrt(mean(x^2) + eps), x [R, H] with a contiguous last dim.
-inline void rms_row(const float* xr, const float* wp, float* yr, int64_t hdim, float e) {
+static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan);
+
+// y = w * x / sqrt(mean(x^2) + eps), x [R, H] with a contiguous last dim. am: where to put the row's
+// max |x| (NaN-propagating), read while the row is in L1, or null: the residual stream each layer's
+// norm reads is the previous layer's hidden state, which the fp16 probe measures (a pass of its own
+// over a 2048-row prefill's hidden state cost ~0.5 ms a layer, read from memory).
+inline void rms_row(const float* xr, const float* wp, float* yr, int64_t hdim, float e, float* am = nullptr) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < hdim; ++i) ss += xr[i] * xr[i];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(hdim) + e);
 #pragma omp simd
   for (int64_t i = 0; i < hdim; ++i) yr[i] = wp[i] * (xr[i] * inv);
+  if (am != nullptr) {
+    float m = 0.f;
+    bool nan = false;
+    absmax_lanes(xr, hdim, &m, &nan);
+    *am = nan ? NAN : m;
+  }
 }
 
-void rms_norm_rows(const float* xp, int64_t xs, const float* wp, float* yp, int64_t rows, int64_t hdim, float e) {
+void rms_norm_rows(const float* xp, int64_t xs, const float* wp, float* yp, int64_t rows, int64_t hdim, float e,
+                   float* am = nullptr) {
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
-    for (int64_t r = b; r < end; ++r) rms_row(xp + r * xs, wp, yp + r * hdim, hdim, e);
+    for (int64_t r = b; r < end; ++r) rms_row(xp + r * xs, wp, yp + r * hdim, hdim, e, am ? am + r : nullptr);
   });
 }
 
@@ -448,7 +460,7 @@ void rms_norm_rows(const float* xp, int64_t xs, const float* wp, float* yp, int6
 // conversions are written as vectors so that this does not rest on g++ vectorising a
 // c10::BFloat16 loop (it did, here).
 void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BFloat16* yp, int64_t rows,
-                   int64_t hdim, float e) {
+                   int64_t hdim, float e, float* am = nullptr) {
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t end) {
     std::vector<float> xf(hdim), yf(hdim);
     for (int64_t r = b; r < end; ++r) {
@@ -459,7 +471,7 @@ void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BF
       for (; i + 16 <= hdim; i += 16) _mm512_storeu_ps(xf.data() + i, pagedkv::load16(xr + i));
 #endif
       for (; i < hdim; ++i) xf[i] = static_cast<float>(xr[i]);
-      rms_row(xf.data(), wp, yf.data(), hdim, e);
+      rms_row(xf.data(), wp, yf.data(), hdim, e, am ? am + r : nullptr);      // (widened: exact)
       i = 0;
 #if defined(__AVX512BF16__)
       for (; i + 16 <= hdim; i += 16)
@@ -472,13 +484,24 @@ void rms_norm_rows(const c10::BFloat16* xp, int64_t xs, const float* wp, c10::BF
 
 // float32 rows, or bfloat16 ones widened, normed in float32 and rounded once (native bf16: one
 // pass where x.float(), the norm and .to(bf16) were three); w float32 or bf16, y in x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+// absmax: a contiguous float32 [N, R] buffer whose row `row` gets each row's max |x| (NaN-propagating).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                       const c10::optional<torch::Tensor>& absmax, int64_t row) {
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
                   (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
               "rms_norm: float32 or bfloat16 rows and weight only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1),
               "rms_norm: x [R, H] (contiguous rows), w [H]");
   const int64_t rows = x.size(0), hdim = x.size(1), xs = x.stride(0);
+  float* am = nullptr;
+  if (absmax.has_value()) {
+    const auto& a = *absmax;
+    TORCH_CHECK(a.scalar_type() == torch::kFloat && a.device().is_cpu() && a.is_contiguous() && a.dim() == 2 &&
+                    a.size(1) == rows && row >= 0 && row < a.size(0),
+                "rms_norm: absmax is a contiguous float32 [N, R] buffer for x's R rows and row names one of its N "
+                "(got row ", row, ")");
+    am = a.data_ptr<float>() + row * rows;
+  }
   auto y = torch::empty({rows, hdim}, x.options());
   const float e = static_cast<float>(eps);
   // A bf16 weight (a native-bf16 model's) widened here, once a call: a torch .float() from Python
@@ -493,9 +516,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
     wp = wide.data();
   }
   if (x.scalar_type() == torch::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), xs, wp, y.data_ptr<float>(), rows, hdim, e);
+    rms_norm_rows(x.data_ptr<float>(), xs, wp, y.data_ptr<float>(), rows, hdim, e, am);
   else
-    rms_norm_rows(x.data_ptr<c10::BFloat16>(), xs, wp, y.data_ptr<c10::BFloat16>(), rows, hdim, e);
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), xs, wp, y.data_ptr<c10::BFloat16>(), rows, hdim, e, am);
   return y;
 }
 
@@ -527,7 +550,6 @@ inline void rotate(c10::BFloat16* x, const float* c, const float* s, int64_t hal
   for (int64_t i = 0; i < 2 * half; ++i) x[i] = c10::BFloat16(w[i]);
 }
 
-static inline void absmax_lanes(const float* x, int64_t n, float* m, bool* nan);
 static inline float sumsq_lanes(const float* x, int64_t n);
 
 // In place on the packed q|k|v rows [T, (Hq + 2 Hkv) * D]: rotate q and k (rotate-half RoPE,
@@ -770,7 +792,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("absmax", &absmax, "max |x| over a tensor, NaN-propagating (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bf16 rows and weight, CPU); absmax: a float32 [N, R] "
+        "buffer whose row `row` gets each row's max |x|", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("absmax") = py::none(), py::arg("row") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("rope_write", &rope_write, "rotate q|k in place and store k, v at their slots (float32 q|k|v with a float32 / bf16 cache, or bf16 "
         "q|k|v with a bf16 cache, CPU); absmax: [2, T] float32 out, each row's max |k| and |v|, or [4, T] with its largest "
         "per-head L2 norm of k and of q too (float32 q|k|v); or a forward's [L, 2 or 4, T] buffer, this layer's slice filled",
