@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -88,8 +89,15 @@ def _quantile(xs: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+_NOW = [None, ""]                # (the second, its ISO text): learn() stamps every step, ~5 us a format
+
+
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    sec = int(time.time())
+    if _NOW[0] != sec:
+        _NOW[1] = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).isoformat(timespec="seconds")
+        _NOW[0] = sec
+    return _NOW[1]
 
 
 # ---- the baseline store -----------------------------------------------------------------

@@ -193,6 +193,8 @@ class ShadowProbe(ShadowFindings, Probe):
         self._q = None
         self.forwards += 1
         p = self._plan = self._pick(batch) if self._due() else None
+        if p is not None:
+            p["cost_ns"] = self.cost_ns      # what the probe had spent: the check's taps count towards its budget
         return range(p["layer"] + 1) if p is not None else ()
 
     def _on_q(self, layer, q) -> None:
@@ -309,7 +311,10 @@ class ShadowProbe(ShadowFindings, Probe):
         dt = time.perf_counter() - t0
         self.checks += 1
         self._last_forward = self.forwards
-        self._next_time = time.perf_counter() + dt / self.overhead
+        # spaced by all the check cost: the recompute and the taps on its forward's layers (the guard adds
+        # this call's time to cost_ns after it returns)
+        spent = dt + max(0, self.cost_ns - p.get("cost_ns", self.cost_ns)) / 1e9
+        self._next_time = time.perf_counter() + spent / self.overhead
         worst = lambda *names: max((c[n] for c in self.last_check for n in names if c[n] is not None), default=0.0)
         self.rows.append({"step": p["step"], "request_id": seq.request_id, "layer": L, "ctx": ctx, "rows": p["n"],
                           "max_err_out": worst("read"), "max_err_write": worst("write_k", "write_v"),
