@@ -81,3 +81,22 @@ def test_a_full_disk_drops_records_counts_them_says_so_once_and_resumes(tmp_path
     lines = [json.loads(x) for p in sorted((tmp_path / "rec").glob("seg-*.jsonl")) for x in p.read_text().splitlines()]
     assert [x["k"] for x in lines if x["k"] != "header"] == ["a", "back"]       # no torn line, nothing made up
     assert freeze(ring, "after").exists()
+
+
+def test_the_vllm_recorders_run_never_holds_more_bundles_than_its_budget(tmp_path, monkeypatch):
+    """The plugin's recorder makes room before a bundle appears, so a process that ends between a freeze and the
+    budget (the freezer is a daemon thread: a SIGUSR1 burst at the very end) leaves no more than the budget. The
+    budget after the freeze is taken away here, as such an end would; three freezes leave two bundles."""
+    from workbench.adapters.vllm.recording import VllmRecorder
+    from workbench.adapters.vllm.settings import Settings
+    rec = VllmRecorder(Settings(record_dir=str(tmp_path), record_bundles=2))
+    rec.ring = SegmentRing(tmp_path / "vllm-1", {"engine": "vllm"})
+    monkeypatch.setattr(VllmRecorder, "_budget", lambda self: None)          # the process gone before it ran
+    made = []
+    for i in range(3):
+        rec.ring.write({"k": "step", "step": i})
+        made.append(rec.freeze(f"SIGUSR1-{i}"))
+        left = [b for b in (tmp_path / "vllm-1" / BUNDLES).iterdir() if not b.name.startswith(".")]
+        assert len(left) <= 2, [b.name for b in left]
+    assert all(made) and {str(b) for b in left} == set(made[1:])             # the oldest went, the newest stayed
+    rec.close()

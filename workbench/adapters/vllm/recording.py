@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 
-from workbench.recorder.budget import enforce
+from workbench.recorder.budget import enforce, trim_bundles
 from workbench.recorder.bundle import freeze
 from workbench.recorder.ring import SegmentRing, prompt_fields
 
@@ -56,6 +56,7 @@ class VllmRecorder:
         self._freezer: threading.Thread | None = None
         self._term_state = "none"                 # none | asked | frozen | chained
         self.quiet_s, self.burst_s = 0.25, 2.0
+        self._freeze_lock = threading.Lock()     # one freeze (and its budget) at a time: the freezer's or inline
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, scheduler) -> None:
@@ -297,12 +298,21 @@ class VllmRecorder:
     def freeze(self, reason: str) -> str | None:
         if self.ring is None:
             return None
-        try:
-            path = str(freeze(self.ring, reason))
-        except OSError as e:
-            st.problem(f"flight recorder: could not freeze a bundle ({e})")
-            return None
-        self._budget()                               # the oldest bundles beyond the budget go
+        with self._freeze_lock:
+            # Room first: this run's oldest bundles beyond the budget less one go before the new one appears
+            # (a bundle appears whole, by a rename). So the run never holds more than its budget, even where the
+            # process ends between the freeze and the budget: the freezer is a daemon thread, and a burst of
+            # SIGUSR1 at the very end left a third bundle of two allowed (the vLLM soak test, once).
+            try:
+                trim_bundles(self.ring.root, max(0, self.s.record_bundles - 1))
+            except Exception as e:                   # the budget never stops the recorder
+                st.problem(f"flight recorder: disk budget not applied ({type(e).__name__}: {e})")
+            try:
+                path = str(freeze(self.ring, reason))
+            except OSError as e:
+                st.problem(f"flight recorder: could not freeze a bundle ({e})")
+                return None
+            self._budget()                           # the oldest bundles beyond the budget go, every run's
         self.bundles.append(path)
         st.log.warning("PagedKV Workbench: repro bundle frozen (%s): %s", reason, path)
         return path
