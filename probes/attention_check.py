@@ -148,6 +148,7 @@ class AttentionCheckProbe(Probe):
         super().reset()
         self.checks = self.forwards = 0
         self.pictures.clear()
+        self._views.clear()
 
     def tolerance(self) -> float:
         if self._tol is not None:

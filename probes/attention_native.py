@@ -67,6 +67,8 @@ class CacheViews:
     def get(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int) -> tuple:
         got = self._views.get(layer)
         if got is None or got[0] is not k_cache or got[1] is not v_cache:
+            if got is not None:          # a re-paged cache: every layer's old tensors let go now, not when checked
+                self._views.clear()
             got = self._views[layer] = (k_cache, v_cache, k_cache.numpy(), v_cache.numpy())
         return got[2], got[3]
 

@@ -3,14 +3,15 @@
 Field note 5: a larger model answered `<unk>` and garbage in fp16 while a small one was
 fine and training loss looked perfect: some layers' K/V exceed fp16's 65504, the cast
 into the KV cache makes them inf, attention over inf gives NaN. This probe measures,
-per layer, BEFORE the cast (the model hooks' taps: on_kv before the KV write, on_hidden
-after each layer):
+per layer, BEFORE the cast (what the fused store and the norms measure as they go, else the
+model hooks' taps: on_kv before the KV write, on_hidden after each layer):
 
 - absmax of K, V (per token, then per layer and per page) and of the hidden state,
   headroom = absmax / 65504, and the tokens holding inf/NaN;
 - a cheap bound on the attention scores: scale * max|q| * max|k| (L2 norms per head;
   RoPE keeps them), |q| for the last token of each sequence only (recomputed from the
-  layer input where the model does not hand q to its hooks), and |k| over this and the
+  layer input where the model does not hand q to its hooks and the hidden states reach the
+  probe: not where the norms measure them, whose layers then have no bound), and |k| over this and the
   7 previous measured steps (the keys decodes read are mostly older than the step).
 
 K's and V's per-token absmax and the head norms come from the fused store where it runs: it
@@ -251,7 +252,13 @@ class FP16OverflowProbe(Probe):
         K, V, H = KVH
         QK = np.full((L, 2), np.nan) if self.scores else None
         mine = [l for l in range(L) if self._tk[l] is not None]         # the layers on_kv saw
-        theirs = [l for l in range(L) if self._tk[l] is None]           # the store measured them
+        measured = hooks.measured_layers() or [False] * L
+        theirs = [l for l in range(L) if self._tk[l] is None and measured[l]]    # the store measured them
+        seen = [l for l in range(L) if self._th[l] is not None]         # the layers on_hidden saw
+        hb = hooks.hidden_buffer()
+        normed = [l for l in range(L - 1) if self._th[l] is None and hb is not None]   # the next norm measured
+        if len(mine) + len(theirs) < L or len(seen) + len(normed) < L:
+            return None          # a layer neither measured nor handed (a failed call: its probe-error says so)
         buf = hooks.stats_buffer() if theirs else None
         if buf is not None and buf.shape[2] == T:
             s = buf.numpy()                                              # [L, 4, T] (the CPU kernel's buffer)
@@ -260,10 +267,7 @@ class FP16OverflowProbe(Probe):
             if QK is not None:
                 qn = s[:, 3] if self._all_rows else s[:, 3][:, self._rows.cpu().numpy()]
                 QK[theirs] = np.stack([qn.max(1), s[:, 2].max(1)], 1)   # NaN-propagating
-        seen = [l for l in range(L) if self._th[l] is not None]         # the layers on_hidden saw
-        normed = [l for l in range(L) if self._th[l] is None]           # the next layer's norm measured them
-        hb = hooks.hidden_buffer() if normed else None
-        if hb is not None and hb.shape[1] == T:
+        if normed and hb.shape[1] == T:
             H[normed] = hb.numpy()[normed]
         if self._stash and all(self._th[l].shape[0] == T for l in seen):
             got = rows_absmax([self._tk[l] for l in mine] + [self._tv[l] for l in mine] + [self._th[l] for l in seen])
@@ -277,14 +281,14 @@ class FP16OverflowProbe(Probe):
                 K[l], V[l] = red(self._tk[l]), red(self._tv[l])
             for l in seen:
                 H[l] = red(self._th[l])
-        if QK is not None and mine and self._qk[mine[0]] is not None:
+        have = [l for l in mine if self._qk[l] is not None]             # (no q, no bound: NaN)
+        if QK is not None and have:
             if self._stash:              # q and k norms of the stashed layers, all at once
-                q = torch.stack([self._qk[l].reshape(self._qk[l].shape[0], -1) for l in mine]).float()
-                qn = q.reshape(len(mine), -1, hd).norm(dim=-1).amax(1)
-                kn = torch.stack([self._tk[l].reshape(T, -1) for l in mine]).float().reshape(len(mine), -1, hd)
-                QK[mine] = np.asarray(torch.stack([qn, kn.norm(dim=-1).amax(1)], 1).cpu(), dtype=np.float64)
+                q = torch.stack([self._qk[l].reshape(self._qk[l].shape[0], -1) for l in have]).float()
+                qn = q.reshape(len(have), -1, hd).norm(dim=-1).amax(1)
+                kn = torch.stack([self._tk[l].reshape(T, -1) for l in have]).float().reshape(len(have), -1, hd)
+                QK[have] = np.asarray(torch.stack([qn, kn.norm(dim=-1).amax(1)], 1).cpu(), dtype=np.float64)
             else:
-                have = [l for l in mine if self._qk[l] is not None]
                 QK[have] = np.asarray(torch.stack([self._qk[l] for l in have]).float().cpu(), dtype=np.float64)
         return KVH, QK
 
@@ -292,7 +296,10 @@ class FP16OverflowProbe(Probe):
     def _finish(self, batch) -> None:
         step = self.engine.step_count
         # [L, T] each, on the host once; the rest in numpy (a few small ops, not a dozen torch dispatches)
-        KVH, qk = self._gather(batch)
+        got = self._gather(batch)
+        if got is None:
+            return
+        KVH, qk = got
         K, V, H = KVH
         # each cold numpy call costs ~20-50 us here: the maxima in one call (NaN-propagating, as amax), the
         # non-finite counts only where a maximum says there are some (inf or NaN make the max so)

@@ -413,6 +413,27 @@ def test_layers_the_store_and_norms_measured_call_no_tap_and_the_others_do(tiny_
     assert np.allclose(frames[0], frames[2], rtol=1e-4, equal_nan=True)    # torch's norm rounds otherwise
 
 
+def test_a_layer_neither_measured_nor_handed_is_not_judged(tiny_llama_dir, monkeypatch):
+    """A probe call that fails at one layer (an fp16 cache: the store measures nothing, on_kv is called at
+    every layer) leaves that layer's figures unknown: the probe says it failed (probe-error) and judges no
+    measured step on what it does not have (the store's buffer there holds no figures of that layer)."""
+    import probes.fp16_overflow as fo
+    real = fo.FP16OverflowProbe._on_kv
+
+    def on_kv(self, layer, k, v, batch):
+        if layer == 1:
+            raise RuntimeError("planted: the probe's own call fails at layer 1")
+        return real(self, layer, k, v, batch)
+    monkeypatch.setattr(fo.FP16OverflowProbe, "_on_kv", on_kv)
+    eng = engine(tiny_llama_dir, "float16")
+    wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+    eng.generate(prompts(2), GREEDY)
+    probe = wb.probe("fp16_overflow")
+    assert [f.kind for f in probe.findings] == ["probe-error"] and "layer 1" in probe.findings[0].message
+    assert probe.measured_steps == 0 and probe.frame().empty
+    wb.detach()
+
+
 def test_the_measured_history_is_bounded_and_keeps_the_latest_steps(tiny_llama_dir):
     """A probe must not become the leak it hunts: frame()'s rows stay within max_history (the older
     half dropped), the newest measured steps kept, one row per layer each; a bad bound is refused."""

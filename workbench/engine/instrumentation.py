@@ -65,14 +65,16 @@ class ModelHooks:
         self._declared = list(declared)
         self._scoped = [(i, t.forward_layers) for i, (t, _) in enumerate(self._declared) if scopes_layers(t)]
         self._absmax_needs = [("kv_absmax" in n or "row_stats" in n) for _, n in self._declared]
-        # taps whose on_q / on_kv stand in for the store's figures: not called where the store measured
-        self._stats_only = [("row_stats" in n) for _, n in self._declared]
+        # taps whose on_q / on_kv stand in for the store's figures: not called where the store measured (a tap
+        # that also declares "kv" reads K / V themselves: called at every layer of its scope)
+        self._stats_only = [("row_stats" in n and "kv" not in n and "kv_absmax" not in n) for _, n in self._declared]
         # taps whose on_hidden stands in for the norms' measurement: called at the last layer only where measured
         self._hidden_only = [("hidden_absmax" in n) for _, n in self._declared]
         self._every_row = [t.reads_every_row for t, n in self._declared if "every_row_hidden" in n]
         self._active = None
         self._built: dict[tuple, tuple] = {}      # active layers -> call lists: a tap that rotates its layer
         self._build([True] * len(self._declared))  # (the attention probe) meets each answer again
+        self._hbuf, self._hidden_now = None, self._hidden      # begin_forward sets them per forward
 
     def _build(self, active: list) -> None:
         """The per-layer call lists for taps active at these layers (True: every layer)."""
@@ -156,7 +158,7 @@ class ModelHooks:
     def kv_absmax_buffer(self, t: int, num_layers: int):
         """Before layer 0 (the model asks, where its store is fused): [L, 4, t] for the store to fill
         with each row's ROW_STATS, when someone reads them (the event log's KVWritten, a tap
-        declaring "kv_absmax"); else None."""
+        declaring "kv_absmax" or "row_stats"); else None."""
         self._memo = None
         if not (self._absmax_active or self._want_kv):
             self._kvbuf = self._measured = None
@@ -207,6 +209,14 @@ class ModelHooks:
         """Whether the fused store measured every layer of this (or the last) forward."""
         m = self._measured
         return m is not None and all(m)
+
+    def measured_layers(self) -> list[bool] | None:
+        """Per layer of this forward so far, whether the fused store measured it (a quiet layer's stamp, or
+        on_kv told so); None where no buffer was made. What a "row_stats" tap may read from stats_buffer()."""
+        m = self._measured
+        if m is None:
+            return None
+        return [bool(done or t) for done, t in zip(m, self.kv_t)]
 
     def stats_buffer(self):
         """[L, 4, T]: this forward's buffer the fused store fills with every ROW_STATS (a layer it measured

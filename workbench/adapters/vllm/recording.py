@@ -302,7 +302,8 @@ class VllmRecorder:
             # Room first: this run's oldest bundles beyond the budget less one go before the new one appears
             # (a bundle appears whole, by a rename). So the run never holds more than its budget, even where the
             # process ends between the freeze and the budget: the freezer is a daemon thread, and a burst of
-            # SIGUSR1 at the very end left a third bundle of two allowed (the vLLM soak test, once).
+            # SIGUSR1 at the very end left a third bundle of two allowed (the vLLM soak test, once). The price:
+            # a freeze that then fails (a full disk, which the room may be what it needed) has cost the oldest.
             try:
                 trim_bundles(self.ring.root, max(0, self.s.record_bundles - 1))
             except Exception as e:                   # the budget never stops the recorder
