@@ -76,6 +76,13 @@ static double rel(float diff, float norm, int nan) {
     return (double)diff / (norm > 1e-30f ? (double)norm : 1e-30);
 }
 
+/* the rows of keys j0 .. (the page holding j0, ps keys from it): in the request's page of the cache, or, for a
+ * whole prompt (whole), in what the layer handed to the write */
+static inline const float *page_rows(int whole, const float *fresh, const float *cache, const int64_t *pages,
+                                     Py_ssize_t j0, Py_ssize_t ps, Py_ssize_t row) {
+    return whole ? fresh + j0 * row : cache + (size_t)pages[j0 / ps] * ps * row;
+}
+
 /* check(k_cache, v_cache, pages, ctx, start, k_new, v_new, q, o, pos, scale) -> (write, read)
  *   k_cache, v_cache  float32 [num_pages, page_size, Hkv, D]: the layer's cache
  *   pages             a list of ints or int64 [>= ceil(ctx / page_size)]: the request's own page list
@@ -190,7 +197,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
         const float *qi = q + i * hq * D;
         for (Py_ssize_t j0 = 0; j0 < keys; j0 += ps) {              /* one page (or the prompt's rows) a pass */
             const Py_ssize_t j1 = j0 + ps < keys ? j0 + ps : keys;
-            const float *base = whole ? kn + j0 * row : kc + (size_t)pages[j0 / ps] * ps * row;
+            const float *base = page_rows(whole, kn, kc, pages, j0, ps, row);
             for (Py_ssize_t j = j0; j < j1; j++) {
                 const float *kr = base + (j - j0) * row;
                 for (Py_ssize_t h = 0; h < hkv; h++)
@@ -209,7 +216,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
         for (Py_ssize_t e = 0; e < hq * D; e++) acc[e] = 0;
         for (Py_ssize_t j0 = 0; j0 < keys; j0 += ps) {
             const Py_ssize_t j1 = j0 + ps < keys ? j0 + ps : keys;
-            const float *base = whole ? vn + j0 * row : vc + (size_t)pages[j0 / ps] * ps * row;
+            const float *base = page_rows(whole, vn, vc, pages, j0, ps, row);
             for (Py_ssize_t j = j0; j < j1; j++) {
                 const float *vr = base + (j - j0) * row;
                 for (Py_ssize_t h = 0; h < hkv; h++)

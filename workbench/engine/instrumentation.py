@@ -248,7 +248,7 @@ class ModelHooks:
                 k_max, v_max = _row_max(self.kv_absmax(layer, k, v)) if k.shape[0] else (0.0, 0.0)
                 self.bus.emit_row(KVWritten, (self._step, now_ns(), layer, k_max, v_max, int(k.shape[0])))
         # where the store measured every ROW_STATS, the taps reading them ("row_stats") are not called
-        stats = measured and self._kvbuf is not None and self._kvbuf.shape[1] == len(ROW_STATS)
+        stats = measured and self.stats_buffer() is not None
         if q is not None:
             for fn in (self._q_m if stats else self._q)[layer]:     # the fp16 probe's score bound, the shadow's q check
                 fn(layer, q)
@@ -277,9 +277,7 @@ class ModelHooks:
             return
         kv_t = self.kv_t
         if self._measured is not None:      # a stamped quiet layer's K / V: the store measured them
-            for layer, t in enumerate(kv_t):
-                if t:
-                    self._measured[layer] = True
+            self._measured = self.measured_layers()
         want_kv, want_read = self._want_kv, self._want_read
         if not (want_kv or want_read):
             return                          # (nothing is held then: on_kv / on_attention add rows only when wanted)

@@ -195,10 +195,8 @@ class LlamaModel:
             quiet, kv_t, read_t = hooks.quiet, hooks.kv_t, hooks.read_t   # layers where only a time is taken
         try:
             for i, L in enumerate(self.layers):
-                if hmax is not None and i:               # layer i - 1's hidden state, measured as it is read
-                    x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps, hmax, i - 1)
-                else:
-                    x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps)
+                # from layer 1 on, the norm measures layer i - 1's hidden state as it reads it
+                x = rms_norm(h, L.norm_attn, cfg.rms_norm_eps, hmax if i else None, i - 1)
                 qkv = L.qkv(x)
                 if widen:
                     qkv = qkv.float()

@@ -53,6 +53,11 @@ def _age(p: Path) -> tuple:
     return _mtime(p), p.name
 
 
+def _bundles(bdir: Path) -> list[Path]:
+    """The whole bundles in a run's bundles/ (not a hidden one still being written), oldest first."""
+    return sorted((b for b in bdir.iterdir() if b.is_dir() and not b.name.startswith(".")), key=_age)
+
+
 def _is_recording(p: Path) -> bool:
     return p.is_dir() and (any(p.glob(f"{SEGMENT_PREFIX}*.jsonl")) or (p / BUNDLES).is_dir())
 
@@ -81,7 +86,7 @@ def enforce(root, current=None, keep_runs: int = 8, keep_bytes: int = 2 * 2**30,
         bdir = run / BUNDLES
         if not bdir.is_dir():
             continue
-        bundles = sorted((b for b in bdir.iterdir() if b.is_dir() and not b.name.startswith(".")), key=_age)
+        bundles = _bundles(bdir)
         for b in bundles[: max(0, len(bundles) - keep_bundles)]:
             _remove(b, out, out.bundles)
     # then whole earlier runs, oldest first, beyond keep_runs
@@ -97,8 +102,7 @@ def enforce(root, current=None, keep_runs: int = 8, keep_bytes: int = 2 * 2**30,
             break
         total -= _remove(run, out, out.runs)
     if total > keep_bytes and current is not None and (current / BUNDLES).is_dir():
-        for b in sorted((b for b in (current / BUNDLES).iterdir() if b.is_dir() and not b.name.startswith(".")),
-                        key=_age):
+        for b in _bundles(current / BUNDLES):
             if total <= keep_bytes:
                 break
             total -= _remove(b, out, out.bundles)
@@ -110,7 +114,7 @@ def trim_bundles(run, keep_bundles: int = 16) -> Trimmed:
     record_dir is the user's: nothing around it is touched)."""
     out, bdir = Trimmed(), Path(run) / BUNDLES
     if bdir.is_dir():
-        bundles = sorted((b for b in bdir.iterdir() if b.is_dir() and not b.name.startswith(".")), key=_age)
+        bundles = _bundles(bdir)
         for b in bundles[: max(0, len(bundles) - keep_bundles)]:
             _remove(b, out, out.bundles)
     return out
