@@ -434,6 +434,37 @@ def test_a_layer_neither_measured_nor_handed_is_not_judged(tiny_llama_dir, monke
     wb.detach()
 
 
+def test_an_inner_layers_hidden_state_past_fp16_is_named_by_layer_request_and_position(tiny_llama_dir, monkeypatch):
+    """A bug planted in the real path (layer 0's residual add makes one decode row's hidden state 1e5): the
+    text changes, and the probe, reading that layer's hidden state as layer 1's compiled norm measured it (no
+    call of its own there), names layer 0, the step, the request and the position of the row."""
+    from workbench.engine.model import norm_measures
+    ps = prompts(3, seed=5)
+    clean = tokens(engine(tiny_llama_dir, "float32", enable_prefix_caching=False), ps, GREEDY)
+    eng = engine(tiny_llama_dir, "float32", enable_prefix_caching=False)
+    wb = Workbench(eng, log=False).attach("fp16_overflow", fp16_overflow={"every": 1})
+    down, planted, buffers = eng.model.layers[0].down, {}, []
+    real_add = down.add
+
+    def add(x, other):
+        out = real_add(x, other)
+        b = eng.last_batch
+        if not planted and eng.step_count >= 4 and b.num_tokens == len(b.seqs):       # a decode forward
+            out[-1, 3] = 1e5
+            planted.update(step=eng.step_count, request_id=b.seqs[-1].request_id, position=int(b.positions[-1]))
+            buffers.append(eng.model_hooks.hidden_buffer() is not None)
+        return out
+    monkeypatch.setattr(down, "add", add)
+    got = tokens(eng, ps, GREEDY)
+    assert planted and got != clean                                   # the bug really changed the text
+    (f,) = [f for f in wb.all_findings() if f.kind == "fp16-hidden-overflow"]
+    assert f.severity == "warn" and f.layer == 0 and f.step == planted["step"]    # float32 model: would overflow
+    assert f.request_id == planted["request_id"] and f.evidence["position"] == planted["position"]
+    assert f.evidence["hidden_absmax"] == pytest.approx(1e5)
+    assert buffers == [norm_measures(torch.zeros(1, 4))]              # measured by the norm where it is compiled
+    wb.detach()
+
+
 def test_the_measured_history_is_bounded_and_keeps_the_latest_steps(tiny_llama_dir):
     """A probe must not become the leak it hunts: frame()'s rows stay within max_history (the older
     half dropped), the newest measured steps kept, one row per layer each; a bad bound is refused."""
