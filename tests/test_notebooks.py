@@ -83,9 +83,71 @@ def test_notebook_and_its_py_hold_the_same_cells(path):
                     "(JupyterLab does it on save)")
 
 
+# What every notebook imports first (torch, pandas, plotly, the workbench): a kernel loads them while the
+# notebook before it runs, so the ~2 s start and ~2-3 s of imports a notebook waited for overlap with work
+# on the other core. Nothing is bound in the notebook's namespace: it still imports what it uses, and a
+# missing import still fails it.
+WARM_UP = """
+import importlib as _importlib
+for _name in ("torch", "numpy", "pandas", "plotly.express", "plotly.graph_objects", "plotly.subplots",
+              "workbench", "workbench.lab", "workbench.trace", "workbench.faults", "probes"):
+    _importlib.import_module(_name)
+del _importlib, _name
+"""
+
+
+class WarmKernels:
+    """Fresh kernels (this interpreter, started in notebooks/), each started one notebook ahead.
+
+    Each notebook still gets a process of its own that ran no cell of any notebook; only the
+    module imports above ran in it, silently."""
+
+    def __init__(self):
+        self._next = None
+
+    def _start(self):
+        from jupyter_client import KernelManager
+        km = KernelManager(kernel_name="python3", client_class="jupyter_client.asynchronous.AsyncKernelClient")
+        km.start_kernel(cwd=str(NB_DIR))
+        from jupyter_client import BlockingKernelClient
+        kc = BlockingKernelClient(**km.get_connection_info(session=True))
+        kc.start_channels()
+        msg_id = kc.execute(WARM_UP, silent=True, store_history=False)     # queued until the kernel is up
+        return km, kc, msg_id
+
+    def take(self):
+        km, kc, msg_id = self._next or self._start()
+        self._next = self._start()                                  # boots while this notebook runs
+        try:
+            while True:                                             # the warm-up done (or failed: the
+                reply = kc.get_shell_msg(timeout=120)               # notebook's own imports will say why)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    break
+        finally:
+            kc.stop_channels()
+        return km
+
+    @staticmethod
+    def stop(km):
+        km.shutdown_kernel(now=True)
+
+    def close(self):
+        if self._next is not None:
+            self._next[1].stop_channels()
+            self.stop(self._next[0])
+            self._next = None
+
+
+@pytest.fixture(scope="module")
+def warm_kernels():
+    kernels = WarmKernels()
+    yield kernels
+    kernels.close()
+
+
 @pytest.mark.ui
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(path, tmp_path):
+def test_notebook_runs_top_to_bottom(path, warm_kernels):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
     if path.stem in ("watch_your_vllm", "flight_recorder_incident"):
@@ -94,10 +156,12 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
             pytest.skip(f"no vLLM environment at {vllm_python()} (make vllm installs it)")
     nb = nbformat.read(path, as_version=4)
     # The kernel is this interpreter (the project's venv), started fresh in the notebooks folder.
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
+    km = warm_kernels.take()
+    client = NotebookClient(nb, km=km, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    client.km_kwargs = {}
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}")
+    finally:
+        warm_kernels.stop(km)
