@@ -5,6 +5,7 @@ notebooks/<name>.py, the file a diff, a review and a linter read: the two must h
 Notebooks ship without outputs, and each runs top to bottom in a fresh kernel (marker `ui`).
 """
 import difflib
+import queue
 from itertools import zip_longest
 from pathlib import Path
 
@@ -120,7 +121,13 @@ class WarmKernels:
         self._next = self._start()                                  # boots while this notebook runs
         try:
             while True:                                             # the warm-up done (or failed: the
-                reply = kc.get_shell_msg(timeout=120)               # notebook's own imports will say why)
+                try:                                                # notebook's own imports will say why)
+                    reply = kc.get_shell_msg(timeout=120)
+                except queue.Empty:
+                    alive = km.is_alive()
+                    self.stop(km)
+                    raise RuntimeError(f"a kernel started in {NB_DIR} did not answer within 120 s "
+                                       f"(its process {'was running' if alive else 'had exited'})") from None
                 if reply["parent_header"].get("msg_id") == msg_id:
                     break
         finally:
