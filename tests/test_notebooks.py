@@ -84,14 +84,16 @@ def test_notebook_and_its_py_hold_the_same_cells(path):
                     "(JupyterLab does it on save)")
 
 
-# What every notebook imports first (torch, pandas, plotly, the workbench): a kernel loads them while the
-# notebook before it runs, so the ~2 s start and ~2-3 s of imports a notebook waited for overlap with work
-# on the other core. Nothing is bound in the notebook's namespace: it still imports what it uses, and a
-# missing import still fails it.
+# What every notebook imports first (torch, pandas, plotly, the workbench, the widgets): a kernel loads them
+# while the notebook before it runs, so the ~2 s start and ~2-3 s of imports a notebook waited for overlap
+# with work on the other core. plotly's renderers too, which its first figure shown imports: they import
+# nbformat, whose jsonschema builds a URI grammar at import (~1.1 s here). Nothing is bound in the
+# notebook's namespace: it still imports what it uses, and a missing import still fails it.
 WARM_UP = """
 import importlib as _importlib
 for _name in ("torch", "numpy", "pandas", "plotly.express", "plotly.graph_objects", "plotly.subplots",
-              "workbench", "workbench.lab", "workbench.trace", "workbench.faults", "probes"):
+              "plotly.io._renderers", "ipywidgets", "workbench", "workbench.lab", "workbench.trace",
+              "workbench.faults", "workbench.widgets", "probes"):
     _importlib.import_module(_name)
 del _importlib, _name
 """
@@ -115,6 +117,10 @@ class WarmKernels:
         kc.start_channels()
         msg_id = kc.execute(WARM_UP, silent=True, store_history=False)     # queued until the kernel is up
         return km, kc, msg_id
+
+    def prepare(self):
+        if self._next is None:
+            self._next = self._start()
 
     def take(self):
         km, kc, msg_id = self._next or self._start()
@@ -145,9 +151,11 @@ class WarmKernels:
             self._next = None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def warm_kernels():
+    # autouse: the first kernel boots while this module's quick checks (outputs, pairing) run
     kernels = WarmKernels()
+    kernels.prepare()
     yield kernels
     kernels.close()
 
