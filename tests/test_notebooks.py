@@ -122,9 +122,10 @@ class WarmKernels:
         if self._next is None:
             self._next = self._start()
 
-    def take(self):
+    def take(self, ahead: bool = True):
+        """A warm kernel; ahead: start the next one (no notebook follows the last)."""
         km, kc, msg_id = self._next or self._start()
-        self._next = self._start()                                  # boots while this notebook runs
+        self._next = self._start() if ahead else None               # boots while this notebook runs
         try:
             while True:                                             # the warm-up done (or failed: the
                 try:                                                # notebook's own imports will say why)
@@ -171,7 +172,7 @@ def test_notebook_runs_top_to_bottom(path, warm_kernels):
             pytest.skip(f"no vLLM environment at {vllm_python()} (make vllm installs it)")
     nb = nbformat.read(path, as_version=4)
     # The kernel is this interpreter (the project's venv), started fresh in the notebooks folder.
-    km = warm_kernels.take()
+    km = warm_kernels.take(ahead=path != NOTEBOOKS[-1])
     client = NotebookClient(nb, km=km, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     try:
