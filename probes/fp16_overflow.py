@@ -252,22 +252,24 @@ class FP16OverflowProbe(Probe):
         K, V, H = KVH
         QK = np.full((L, 2), np.nan) if self.scores else None
         mine = [l for l in range(L) if self._tk[l] is not None]         # the layers on_kv saw
-        measured = hooks.measured_layers() or [False] * L
+        # a buffer counts only where it holds this forward's T rows: a layer whose figures are in neither a
+        # usable buffer nor what a tap kept is not judged from zeros
+        buf, hb = hooks.stats_buffer(), hooks.hidden_buffer()
+        measured = (buf is not None and buf.shape[2] == T and hooks.measured_layers()) or [False] * L
         theirs = [l for l in range(L) if self._tk[l] is None and measured[l]]    # the store measured them
         seen = [l for l in range(L) if self._th[l] is not None]         # the layers on_hidden saw
-        hb = hooks.hidden_buffer()
-        normed = [l for l in range(L - 1) if self._th[l] is None and hb is not None]   # the next norm measured
+        normed = ([l for l in range(L - 1) if self._th[l] is None]      # the next layer's norm measured them
+                  if hb is not None and hb.shape[1] == T else [])
         if len(mine) + len(theirs) < L or len(seen) + len(normed) < L:
             return None          # a layer neither measured nor handed (a failed call: its probe-error says so)
-        buf = hooks.stats_buffer() if theirs else None
-        if buf is not None and buf.shape[2] == T:
+        if theirs:
             s = buf.numpy()                                              # [L, 4, T] (the CPU kernel's buffer)
             s = s if len(theirs) == L else s[theirs]
             K[theirs], V[theirs] = s[:, 0], s[:, 1]
             if QK is not None:
                 qn = s[:, 3] if self._all_rows else s[:, 3][:, self._rows.cpu().numpy()]
                 QK[theirs] = np.stack([qn.max(1), s[:, 2].max(1)], 1)   # NaN-propagating
-        if normed and hb.shape[1] == T:
+        if normed:
             H[normed] = hb.numpy()[normed]
         if self._stash and all(self._th[l].shape[0] == T for l in seen):
             got = rows_absmax([self._tk[l] for l in mine] + [self._tv[l] for l in mine] + [self._th[l] for l in seen])
