@@ -3,6 +3,7 @@
 #   make lab     set up .venv (first time) and open notebooks/00_start_here.ipynb
 #   make test    set up .venv (first time) and run the test suite, then test-cpus
 #   make test-cpus  the engine / bf16 / NPU-double / kernel tests on faked AVX2-only and featureless CPUs
+#   make test-as-avx2  make test as on an AVX2-only host (on an AVX-512 one: every layer held to AVX2)
 #   make bench   run every benchmarks/*.py
 #   make doctor  torch, device, dtypes, measured bandwidth / matmul, default model
 #   make docs    the docs site (docs/, MkDocs) into build/site, strict
@@ -51,10 +52,10 @@ VLLM_ASCEND_DIR       := .cache/vllm-ascend
 VLLM_ASCEND_TGZ       := $(VLLM_ASCEND_DIR)/$(notdir $(VLLM_ASCEND_SDIST_URL))
 VLLM_ASCEND_SRC       := $(VLLM_ASCEND_DIR)/$(basename $(basename $(notdir $(VLLM_ASCEND_SDIST_URL))))
 
-.PHONY: venv test test-cpus test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src wheel docs
+.PHONY: venv test test-cpus test-as-avx2 test-ui lab bench doctor clean distclean help browser vllm vllm-ascend-src wheel docs
 
 help:
-	@sed -n '3,14p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,15p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -160,6 +161,18 @@ test-cpus: $(STAMP)
 	echo "== make test-cpus: a CPU with no features (PAGEDKV_CPU_FEATURES=none)"; \
 	PAGEDKV_CPU_FEATURES=none ONEDNN_MAX_CPU_ISA=SSE41 $(CPU_PYTEST) || rc=$$?; \
 	exit $$rc
+
+# `make test` as a 2-core AVX2-only host runs it, on an x86 host that has AVX-512: the suite, then test-cpus'
+# featureless pass (a real AVX2-only host skips the faked AVX2 one) and the docs. Every layer that picks
+# code by the CPU is held to AVX2: ATen (ATEN_CPU_CAPABILITY), oneDNN, MKL, our kernels (the faked CPU and
+# its x86-64-v3 builds), and torch.cpu's probes of the silicon, which vLLM reads to choose its kernel library
+# (tests/as_avx2_host/sitecustomize.py). What it cannot hide is the core itself: its timings are those of
+# this host's cores running AVX2 code.
+AS_AVX2_ENV = PAGEDKV_CPU_FEATURES='$(AVX2_HOST)' PAGEDKV_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 \
+              ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PYTHONPATH='$(CURDIR)/tests/as_avx2_host'
+test-as-avx2: $(STAMP) browser vllm
+	@echo "== make test-as-avx2: the suite as on an AVX2-only host ($(AS_AVX2_ENV))"
+	@$(AS_AVX2_ENV) $(MAKE) --no-print-directory test FAKE_AVX2=0
 
 # notebooks executed top to bottom and the Chromium dashboard test (marker `ui`)
 test-ui: $(STAMP) browser vllm
