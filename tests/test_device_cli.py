@@ -141,6 +141,27 @@ def test_matmul_is_positive_and_plausible(dtype):
     assert 0.05 < gflops < 1_000_000.0
 
 
+def test_a_slow_call_is_sampled_until_the_time_budget_not_repeats_times():
+    """A call slower than the budget (a bf16 matmul on an AVX2-only CPU: ~2 s) is timed once, or sampled
+    until the budget has passed, not `repeats` times; a fast one still gets every repeat. Counts calls, not seconds: a busy
+    machine only makes the slow call slower, so it can only stop sooner."""
+    import time
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.12)
+
+    seconds = peaks._best_seconds(slow, torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.1)
+    assert len(calls) == 1 and seconds >= 0.12          # the warm-up alone took the budget: it is the sample
+    calls.clear()
+    peaks._best_seconds(slow, torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.3)
+    assert 2 <= len(calls) <= 4                         # the warm-up, then samples until 0.3 s had passed
+    calls.clear()
+    peaks._best_seconds(lambda: calls.append(1), torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.1)
+    assert len(calls) == 6                              # the warm-up and five samples
+
+
 def test_matmul_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
         peaks.measure_matmul_gflops("cpu", n=8, dtype="float7")

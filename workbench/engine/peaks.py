@@ -54,19 +54,34 @@ def _as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return value
 
 
-def _best_seconds(fn, device: torch.device, repeats: int, min_time_s: float = 0.1, max_iters: int = 10_000) -> float:
+def _best_seconds(fn, device: torch.device, repeats: int, min_time_s: float = 0.1, max_iters: int = 10_000,
+                  max_time_s: float = 1.0) -> float:
     """Best time of one ``fn()`` call after a warm-up.
 
     Runs at least ``repeats`` times and, for small work, keeps going until
     ``min_time_s`` has passed: on a shared, busy machine one preemption of an
     OpenMP thread would otherwise spoil every sample of a sub-millisecond call.
+    A slow call stops the samples once ``max_time_s`` has passed (after one), and
+    a warm-up that alone took that long is the sample: a 1024^3 bf16 matmul takes
+    ~2 s on an AVX2-only CPU (oneDNN has no bf16 kernel there; ATen's loops run),
+    where ``repeats`` of them held `kvwb doctor` for 7 s; a preemption or a page's
+    first touch barely moves a sample that long.
     """
+    t0 = time.perf_counter()
     fn()  # warm-up: first touch of pages, kernel selection, caches
     synchronize(device)
+    warm_up = time.perf_counter() - t0
+    if warm_up >= max_time_s:
+        return warm_up
     best = float("inf")
     start = time.perf_counter()
     i = 0
-    while i < max(1, repeats) or (time.perf_counter() - start < min_time_s and i < max_iters):
+    while True:
+        elapsed = time.perf_counter() - start
+        if i >= max(1, repeats) and not (elapsed < min_time_s and i < max_iters):
+            break
+        if i >= 1 and elapsed >= max_time_s:
+            break
         t0 = time.perf_counter()
         fn()
         synchronize(device)
