@@ -3,7 +3,7 @@
 #   make lab     set up .venv (first time) and open notebooks/00_start_here.ipynb
 #   make test    set up .venv (first time) and run the test suite, then test-cpus
 #   make test-cpus  the engine / bf16 / NPU-double / kernel tests on faked AVX2-only and featureless CPUs
-#   make test-as-avx2  make test as on an AVX2-only host (on an AVX-512 one: every layer held to AVX2)
+#   make test-as-avx2  make test as an AVX2-only host runs it (on an AVX-512 one: every layer held to AVX2)
 #   make bench   run every benchmarks/*.py
 #   make doctor  torch, device, dtypes, measured bandwidth / matmul, default model
 #   make docs    the docs site (docs/, MkDocs) into build/site, strict
@@ -155,6 +155,8 @@ test-cpus: $(STAMP)
 	if [ "$(FAKE_AVX2)" = 1 ]; then \
 	echo "== make test-cpus: an AVX2-only host (PAGEDKV_CPU_FEATURES='$(AVX2_HOST)', PAGEDKV_MARCH=x86-64-v3, ONEDNN_MAX_CPU_ISA=AVX2)"; \
 	PAGEDKV_CPU_FEATURES='$(AVX2_HOST)' PAGEDKV_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 $(CPU_PYTEST) || rc=$$?; \
+	elif [ -n "$(AS_AVX2)" ]; then \
+	echo "== make test-cpus: the suite ran these tests as an AVX2-only host (make test-as-avx2): the faked AVX2 pass is skipped"; \
 	else \
 	echo "== make test-cpus: this host is AVX2-only (avx2, no avx512f): the suite ran these tests on it, the faked AVX2 pass is skipped (FAKE_AVX2=1 runs it)"; \
 	fi; \
@@ -162,17 +164,20 @@ test-cpus: $(STAMP)
 	PAGEDKV_CPU_FEATURES=none ONEDNN_MAX_CPU_ISA=SSE41 $(CPU_PYTEST) || rc=$$?; \
 	exit $$rc
 
-# `make test` as a 2-core AVX2-only host runs it, on an x86 host that has AVX-512: the suite, then test-cpus'
+# `make test` as an AVX2-only host runs it, on an x86 host that has AVX-512: the suite, then test-cpus'
 # featureless pass (a real AVX2-only host skips the faked AVX2 one) and the docs. Every layer that picks
 # code by the CPU is held to AVX2: ATen (ATEN_CPU_CAPABILITY), oneDNN, MKL, our kernels (the faked CPU and
 # its x86-64-v3 builds), and torch.cpu's probes of the silicon, which vLLM reads to choose its kernel library
 # (tests/as_avx2_host/sitecustomize.py). What it cannot hide is the core itself: its timings are those of
 # this host's cores running AVX2 code.
 AS_AVX2_ENV = PAGEDKV_CPU_FEATURES='$(AVX2_HOST)' PAGEDKV_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 \
-              ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PYTHONPATH='$(CURDIR)/tests/as_avx2_host'
+              ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+              PYTHONPATH='$(CURDIR)/tests/as_avx2_host'$${PYTHONPATH:+:$$PYTHONPATH}
 test-as-avx2: $(STAMP) browser vllm
+	@[ "$$(uname -m)" = x86_64 ] && grep -qw avx2 /proc/cpuinfo || { \
+	  echo "make test-as-avx2: needs an x86-64 CPU with AVX2 (this is $$(uname -m)$$(grep -qw avx2 /proc/cpuinfo 2>/dev/null || echo ', no avx2')): it runs AVX2 code" >&2; exit 2; }
 	@echo "== make test-as-avx2: the suite as on an AVX2-only host ($(AS_AVX2_ENV))"
-	@$(AS_AVX2_ENV) $(MAKE) --no-print-directory test FAKE_AVX2=0
+	@$(AS_AVX2_ENV) $(MAKE) --no-print-directory test FAKE_AVX2=0 AS_AVX2=1
 
 # notebooks executed top to bottom and the Chromium dashboard test (marker `ui`)
 test-ui: $(STAMP) browser vllm

@@ -141,25 +141,25 @@ def test_matmul_is_positive_and_plausible(dtype):
     assert 0.05 < gflops < 1_000_000.0
 
 
-def test_a_slow_call_is_sampled_until_the_time_budget_not_repeats_times():
-    """A call slower than the budget (a bf16 matmul on an AVX2-only CPU: ~2 s) is timed once, or sampled
-    until the budget has passed, not `repeats` times; a fast one still gets every repeat. Counts calls, not seconds: a busy
-    machine only makes the slow call slower, so it can only stop sooner."""
-    import time
-    calls = []
+def test_a_slow_call_is_sampled_until_the_time_budget_not_repeats_times(monkeypatch):
+    """With a budget, a call slower than it (a bf16 matmul on an AVX2-only CPU: ~2 s) is timed once, or
+    sampled until the budget has passed, not `repeats` times; without one (the cached peaks) every repeat
+    runs. Each call advances a clock of the test's own by its length: no real time is measured."""
+    now = [0.0]
+    monkeypatch.setattr(peaks, "_clock", lambda: now[0])
 
-    def slow():
-        calls.append(1)
-        time.sleep(0.12)
+    def calls_of(lengths, **kw):
+        taken = []
 
-    seconds = peaks._best_seconds(slow, torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.1)
-    assert len(calls) == 1 and seconds >= 0.12          # the warm-up alone took the budget: it is the sample
-    calls.clear()
-    peaks._best_seconds(slow, torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.3)
-    assert 2 <= len(calls) <= 4                         # the warm-up, then samples until 0.3 s had passed
-    calls.clear()
-    peaks._best_seconds(lambda: calls.append(1), torch.device("cpu"), repeats=5, min_time_s=0.0, max_time_s=0.1)
-    assert len(calls) == 6                              # the warm-up and five samples
+        def fn():
+            taken.append(1)
+            now[0] += lengths[min(len(taken), len(lengths)) - 1]
+        return peaks._best_seconds(fn, torch.device("cpu"), repeats=5, min_time_s=0.0, **kw), len(taken)
+
+    assert calls_of([2.0], max_time_s=1.0) == (pytest.approx(2.0), 1)     # the warm-up took the budget: the sample
+    assert calls_of([0.4], max_time_s=1.0) == (pytest.approx(0.4), 4)     # warm-up, then until 1 s had passed
+    assert calls_of([0.9, 0.01], max_time_s=1.0) == (pytest.approx(0.01), 6)   # fast after its warm-up: every repeat
+    assert calls_of([2.0]) == (pytest.approx(2.0), 6)      # no budget (the cached peaks): every repeat, warm-up apart
 
 
 def test_matmul_rejects_unknown_dtype():
