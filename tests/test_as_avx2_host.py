@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from workbench.adapters.vllm.server import vllm_python
+# this machine's own flags, read from /proc/cpuinfo (not from torch, which the shim patches; not through
+# PAGEDKV_CPU_FEATURES, which make test-as-avx2 sets)
+from workbench.engine.kernels.cpu import _read as _silicon
 
 SHIM = Path(__file__).parent / "as_avx2_host"
 
@@ -31,14 +34,6 @@ def _hidden() -> list[str]:
     tree = ast.parse((SHIM / "sitecustomize.py").read_text())
     return next(list(ast.literal_eval(n.value)) for n in tree.body
                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "HIDDEN")
-
-
-def _silicon() -> set[str]:
-    """This machine's own flags, read from the kernel (not from torch, which the shim patches)."""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 # what `make test-as-avx2` sets besides the shim: dropped for a run without it, which must be the host's own
